@@ -1,0 +1,75 @@
+"""Quality per bit, every recipe side by side in one run on the same windows.
+
+Protocol: calibrate on wikitext-2 valid.txt (16 windows x 1024 tokens, seed 0), evaluate on the first 16
+consecutive non-overlapping 1024-token windows of test.txt.
+
+python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samples 16]
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from bench.common import wikitext_dir, write_json
+from pipeline.app import run_pipeline
+from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, load_recipe, recipe_names
+from stages.evaluate import table
+
+RECIPES = ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2", "kvquant-4b", "kvquant-4b-1pct", "kvquant-3b",
+           "kvquant-3b-1pct", "kvquant-2b", "kvquant-2b-1pct"]
+
+
+def pareto_report(recipes: dict[str, dict]) -> list[str]:
+    """For each kvquant-*-1pct recipe: the recipes that dominate it (fewer or equal bits and lower ppl)."""
+    lines = []
+    for name, r in recipes.items():
+        if not (name.startswith("kvquant-") and name.endswith("-1pct")):
+            continue
+        dominators = [o for o, s in recipes.items() if o != name and s["avg_bits"] <= r["avg_bits"] and s["ppl"] < r["ppl"]]
+        lines.append(f"{name}: {'on the frontier' if not dominators else 'dominated by ' + ', '.join(dominators)}")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--n-samples", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--eval-n-samples", type=int, default=16)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--cache-dir", default=".kvcalib_cache")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    names = args.recipes.split(",")
+    unknown = [n for n in names if n not in recipe_names()]
+    if unknown:
+        raise SystemExit(f"--recipes: unknown {unknown}; allowed: {recipe_names()}")
+    cfg = RunConfig(
+        model=ModelConfig(),
+        data=DataConfig(name="wikitext-2", source="local", path=str(wikitext_dir()), n_samples=args.n_samples,
+                        seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples, eval_seq_len=args.seq_len),
+        quant=load_recipe(names[0]), eval=EvalConfig(recipes=names), cache_dir=args.cache_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_pipeline(cfg, Path(tmp), log=print, show_progress=False)
+    summary = out["summary"]
+    recipes = summary["evaluation"]["recipes"]
+    print()
+    print(table(recipes))
+    print(f"calibration wall (traces + fisher + key scales + outliers + codebooks): {summary['calib_wall_s']:.1f} s")
+    for r in out["runner"].records:
+        print(f"  {r.name:<28} {r.status:<9} {r.wall_s:7.1f} s")
+    for line in pareto_report(recipes):
+        print(line)
+    sse = {k: v for k, v in summary["stage_meta"].items() if k.startswith("codebooks")}
+    for stage, meta in sse.items():
+        for key, rows in meta["sse"].items():
+            exact = sum(r["sse_exact"] for r in rows)
+            lloyd = sum(r.get("sse_lloyd", float("nan")) for r in rows)
+            print(f"{stage} {key}: weighted SSE summed over layers exact {exact:.4g} vs Lloyd {lloyd:.4g} "
+                  f"(exact/Lloyd {exact / lloyd:.4f})")
+    write_json(args.json, {"recipes": {n: {k: recipes[n][k] for k in ("ppl", "kl", "top1", "avg_bits")} for n in names},
+                           "calib_wall_s": summary["calib_wall_s"]})
+
+
+if __name__ == "__main__":
+    main()

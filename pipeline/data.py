@@ -1,0 +1,129 @@
+"""Text -> token windows. Calibration and evaluation windows always come from disjoint text.
+
+Calibration: `n_samples` non-overlapping windows of `seq_len` tokens drawn at random slots (seeded).
+Evaluation: the first `eval_n_samples` consecutive non-overlapping windows of the evaluation text.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.config import DataConfig
+from pipeline.errors import UserError
+from pipeline.hashing import sha256_tensor
+
+DATA_SOURCES = ("embedded", "local", "hub")
+
+
+@dataclass
+class Windows:
+    calib: torch.Tensor        # [N, L] int64
+    eval: torch.Tensor         # [M, L_eval] int64
+    description: str
+
+    @property
+    def calib_sha256(self) -> str:
+        return sha256_tensor(self.calib)
+
+    @property
+    def eval_sha256(self) -> str:
+        return sha256_tensor(self.eval)
+
+
+def validate(cfg: DataConfig) -> None:
+    if cfg.source not in DATA_SOURCES:
+        raise UserError(f"data.source must be one of {DATA_SOURCES}, got {cfg.source!r}")
+    for field_name in ("seq_len", "eval_seq_len"):
+        if getattr(cfg, field_name) < 2:
+            raise UserError(f"data.{field_name} must be >= 2 tokens, got {getattr(cfg, field_name)}")
+    for field_name in ("n_samples", "eval_n_samples"):
+        if getattr(cfg, field_name) < 1:
+            raise UserError(f"data.{field_name} must be >= 1, got {getattr(cfg, field_name)}")
+
+
+def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
+    """(calibration text, evaluation text, a description of where each came from)."""
+    validate(cfg)
+    if cfg.source == "embedded":
+        import pydoc_data.topics as topics  # Python's bundled documentation: real English on every machine
+        calib, evaluation = _halves("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
+        return calib, evaluation, "embedded:pydoc_data.topics (first half calib, second half eval)"
+    if cfg.source == "local":
+        path = Path(cfg.path).expanduser()
+        if not cfg.path or not path.exists():
+            raise UserError(f"data.path={cfg.path!r} does not exist; give a .txt/.jsonl file or a folder "
+                            f"holding {cfg.calib_file} and {cfg.eval_file}")
+        if path.is_dir():
+            calib_path, eval_path = path / cfg.calib_file, path / cfg.eval_file
+            for p in (calib_path, eval_path):
+                if not p.is_file():
+                    raise UserError(f"data.path={str(path)!r}: missing {p.name} (data.calib_file / data.eval_file)")
+            return (_read_text(calib_path, cfg.text_field), _read_text(eval_path, cfg.text_field),
+                    f"local:{calib_path.name}(calib),{eval_path.name}(eval)")
+        calib, evaluation = _halves(_read_text(path, cfg.text_field))
+        return calib, evaluation, f"local:{path.name} (first half calib, second half eval)"
+    return _load_hub(cfg)
+
+
+def _read_text(path: Path, text_field: str) -> str:
+    if path.suffix == ".jsonl":
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = "\n\n".join(str(r[text_field]) for r in rows if text_field in r)
+    else:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise UserError(f"data file {str(path)!r} holds no text")
+    return text
+
+
+def _halves(text: str) -> tuple[str, str]:
+    cut = text.find("\n", len(text) // 2)
+    cut = len(text) // 2 if cut < 0 else cut
+    return text[:cut], text[cut:]
+
+
+def _load_hub(cfg: DataConfig) -> tuple[str, str, str]:
+    try:
+        import datasets
+        parts = [datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=s) for s in (cfg.calib_split, cfg.eval_split)]
+    except Exception as exc:
+        raise UserError(f"data.source=hub: could not load {cfg.hub_name}/{cfg.hub_config} "
+                        f"({type(exc).__name__}: {str(exc)[:200]}); offline machines use data.source=local "
+                        f"data.path=/path/to/wikitext-2") from None
+    calib, evaluation = ("\n".join(str(t) for t in p[cfg.text_field]) for p in parts)
+    return calib, evaluation, f"hub:{cfg.hub_name}/{cfg.hub_config}:{cfg.calib_split}(calib),{cfg.eval_split}(eval)"
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The whole text as one id stream, no special tokens added. [n_tokens] int64"""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def random_windows(ids: torch.Tensor, n: int, seq_len: int, seed: int, what: str = "calibration") -> torch.Tensor:
+    """n non-overlapping windows at seeded random slots. [n, seq_len]"""
+    slots = ids.numel() // seq_len
+    if n > slots:
+        raise UserError(f"asked for {n} {what} windows of {seq_len} tokens, but the text holds only {slots} "
+                        f"({ids.numel()} tokens); lower n_samples or seq_len, or give more text")
+    order = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:n]
+    return ids[: slots * seq_len].view(slots, seq_len)[order].clone()
+
+
+def consecutive_windows(ids: torch.Tensor, n: int, seq_len: int, what: str = "evaluation") -> torch.Tensor:
+    """The first n consecutive non-overlapping windows. [n, seq_len]"""
+    slots = ids.numel() // seq_len
+    if n > slots:
+        raise UserError(f"asked for {n} {what} windows of {seq_len} tokens, but the text holds only {slots} "
+                        f"({ids.numel()} tokens); lower the number of windows or seq_len, or give more text")
+    return ids[: n * seq_len].view(n, seq_len).clone()
+
+
+def build_windows(cfg: DataConfig, tokenizer) -> Windows:
+    calib_text, eval_text, description = load_texts(cfg)
+    calib = random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len, cfg.seed)
+    evaluation = consecutive_windows(tokenize(tokenizer, eval_text), cfg.eval_n_samples, cfg.eval_seq_len)
+    return Windows(calib=calib, eval=evaluation, description=description)

@@ -1,0 +1,539 @@
+"""MLflow provenance: one MLflow run per pipeline run, one parent run per Hydra sweep.
+
+A run records what produced it and what it measured:
+- params: the resolved config, flattened to dotted keys (`traces.reservoir_size`);
+- metrics: stage wall times and peak RSS, the evaluation table (`eval.<recipe>.ppl`), the runtime check errors;
+- tags: git sha, package version, model / tokenizer / data sha256, manifest sha256 and format version,
+  runtime check status, the Hydra overrides and, when a stage fails, the error;
+- artifacts: the exported artifact folder, the resolved config, summary.json, the evaluation table (CSV and
+  markdown) and PNG plots (pipeline/plots.py).
+
+The run is opened before the stages and closed after everything is logged, so a failed stage leaves a FAILED
+run with its error and nothing half-recorded is FINISHED. The store is checked once, with retries off and a
+short timeout, so an unreachable server costs seconds: the pipeline still runs and writes its results, then
+the process exits with `EXIT_UNREACHABLE` naming the URI (`tracking.required=false`: a warning instead).
+
+mlflow is imported inside the functions: `tracking.enabled=false` runs never pay for it. MlflowClient is used
+rather than the fluent API, whose exit hook would end an interrupted run as FINISHED.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import datetime as dt
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+import pipeline
+from pipeline.config import RunConfig, TrackingConfig
+from pipeline.errors import UserError
+
+ENV_PARENT_RUN = "KVCALIB_MLFLOW_PARENT_RUN_ID"   # set by SweepCallback for the jobs of a sweep
+ENV_RUN_NAME = "KVCALIB_MLFLOW_RUN_NAME"          # a sweep job's name: the swept overrides it got
+EXIT_UNREACHABLE = 3
+PROJECT_ROOT = Path(pipeline.__file__).resolve().parent.parent
+# once the store answered, a request may be retried (backoff 2 s, 4 s, 8 s) before the run gives up
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+_MAX_TAG_CHARS = 5000
+
+Warn = Callable[[str], None]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+class TrackingError(Exception):
+    """The MLflow store could not be reached or written; the message names the URI."""
+
+
+# ---------------------------------------------------------------------------------------------- the store
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def connect(uri: str, timeout_s: int = 5):
+    """An MlflowClient for `uri`, after one request made with retries off and a `timeout_s` timeout."""
+    import logging
+
+    from mlflow.tracking import MlflowClient
+
+    for name in ("alembic", "mlflow.store.db.utils"):  # schema migrations of a new sqlite store: not news
+        logging.getLogger(name).setLevel(logging.WARNING)
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        with _environ(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(timeout_s)):
+            client.search_experiments(max_results=1)
+    except Exception as exc:  # connection refused, timeout, HTTP error, bad sqlite path: all say the same
+        raise TrackingError(f"MLflow tracking store {uri} is unreachable ({_short(exc)})") from exc
+    for key, value in _HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    return client
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def experiment_id(client, name: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name)
+        except MlflowException:  # created by a concurrent job of the same sweep
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage != "active":
+        raise TrackingError(f"MLflow experiment {name!r} is deleted in {client.tracking_uri}; restore it "
+                            f"(mlflow experiments restore) or choose another tracking.experiment")
+    return exp.experiment_id
+
+
+# ---------------------------------------------------------------------------------------------- what is logged
+
+def git_state(root: Path = PROJECT_ROOT) -> tuple[str, bool | None]:
+    """(commit sha or "unknown", whether tracked files differ from it; None when unknown)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    try:
+        sha = git("rev-parse", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+    return sha, dirty
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"data": {"seq_len": 32}} -> {"data.seq_len": "32"}; lists are JSON."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return flat
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _metric_name(name: str) -> str:
+    """MLflow keys allow letters, digits, `_ - . / `; anything else in a recipe name becomes `_`."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in str(name))
+
+
+def summary_metrics(summary: dict) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for stage in summary.get("stages", []):
+        metrics[f"stage.{stage['name']}.wall_s"] = float(stage["wall_s"])
+        metrics[f"stage.{stage['name']}.peak_rss_mb"] = float(stage["peak_rss_mb"])
+    for key in ("wall_s", "peak_rss_mb"):
+        if _number(summary.get(key)):
+            metrics[f"run.{key}"] = float(summary[key])
+    for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
+        metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in row.items() if _number(v)})
+    check = summary.get("runtime_check") or {}
+    metrics.update({f"runtime_check.{k}": float(v) for k, v in check.items() if _number(v)})
+    return metrics
+
+
+def summary_tags(summary: dict) -> dict[str, str]:
+    model, data = summary.get("model") or {}, summary.get("data") or {}
+    manifest, check = summary.get("manifest") or {}, summary.get("runtime_check") or {}
+    tags = {"model_name": model.get("name"), "model_sha256": model.get("model_sha256"),
+            "tokenizer_sha256": model.get("tokenizer_sha256"), "data_description": data.get("description"),
+            "calib_sha256": data.get("calib_sha256"), "eval_sha256": data.get("eval_sha256"),
+            "manifest_sha256": manifest.get("sha256"), "manifest_format_version": manifest.get("format_version"),
+            "runtime_check_status": check.get("status"), "artifact_dir": summary.get("artifact_dir")}
+    for stage in summary.get("stages", []):
+        tags[f"stage.{stage['name']}.status"] = stage["status"]
+        tags[f"stage.{stage['name']}.key"] = stage["key"]
+    return {k: str(v) for k, v in tags.items() if v is not None}
+
+
+def evaluation_table(recipes: dict[str, dict]) -> tuple[str, str]:
+    """The evaluation table as (CSV, markdown): one row per recipe, columns in first-seen order."""
+    columns = ["avg_bits", "ppl", "kl", "top1"]
+    columns += [k for row in recipes.values() for k in row if k not in columns]
+    columns = list(dict.fromkeys(columns))
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["recipe", *columns])
+    cells = {name: [_cell(row.get(c)) for c in columns] for name, row in recipes.items()}
+    writer.writerows([name, *row] for name, row in cells.items())
+    md = ["| recipe | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    md += [f"| {name} | " + " | ".join(row) + " |" for name, row in cells.items()]
+    return out.getvalue(), "\n".join(md) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _hydra_files(run_dir: Path) -> dict[str, Path]:
+    hydra_dir = run_dir / ".hydra"
+    return {p.name: p for p in sorted(hydra_dir.glob("*.yaml"))} if hydra_dir.is_dir() else {}
+
+
+def _overrides(run_dir: Path) -> list[str]:
+    path = _hydra_files(run_dir).get("overrides.yaml")
+    return [str(o) for o in OmegaConf.load(path)] if path else []
+
+
+def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> None:
+    """Everything but the artifact folder, laid out under `dest` as it will appear in the MLflow run."""
+    from pipeline import plots
+
+    (dest / "config" / "hydra").mkdir(parents=True)
+    (dest / "config" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    for name, path in _hydra_files(run_dir).items():
+        (dest / "config" / "hydra" / name).write_bytes(path.read_bytes())
+    summary = out["summary"]
+    (dest / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    recipes = (summary.get("evaluation") or {}).get("recipes")
+    if recipes:
+        (dest / "evaluation").mkdir()
+        table_csv, table_md = evaluation_table(recipes)
+        (dest / "evaluation" / "table.csv").write_text(table_csv)
+        (dest / "evaluation" / "table.md").write_text(table_md)
+        plots.ppl_vs_bits(recipes, dest / "plots" / "ppl_vs_bits.png")
+    traces = (out.get("results") or {}).get("traces")
+    if traces is not None and "k_pre_absmax" in traces.tensors:
+        plots.kv_channel_magnitudes(traces.tensors, dest / "plots" / "kv_channels")
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+class RunRecorder:
+    """The MLflow run of one pipeline run. `tracked_run` drives it; the pipeline calls `record(out)`."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = print):
+        self.cfg, self.tcfg, self.run_dir = cfg, cfg.tracking, Path(run_dir)
+        self.warn, self.log = warn, log
+        self.client = None
+        self.run_id: str | None = None
+        self.unreachable: str | None = None  # why the run could not be opened
+
+    def start(self) -> None:
+        try:
+            self.client = connect(self.tcfg.uri, self.tcfg.probe_timeout_s)
+            exp_id = experiment_id(self.client, self.tcfg.experiment)
+            run = self.client.create_run(exp_id, run_name=self._run_name(), tags=self._start_tags())
+            self.run_id = run.info.run_id
+            params = flatten(asdict(self.cfg))
+            self._log_batch(params=params)
+        except Exception as exc:
+            self.unreachable = str(exc) if isinstance(exc, TrackingError) else \
+                f"MLflow tracking store {self.tcfg.uri} failed ({_short(exc)})"
+            if self.run_id is not None:
+                self._terminate("FAILED", f"tracking: {self.unreachable}")
+                self.run_id = None
+            then = "exits non-zero afterwards" if self.tcfg.required else "goes on without tracking"
+            self.warn(f"warning: {self.unreachable}; the pipeline still runs and {then} "
+                      f"(tracking.required={str(self.tcfg.required).lower()})")
+            return
+        self.log(f"mlflow: run {self.run_id} in experiment {self.tcfg.experiment!r} at {self.tcfg.uri}")
+
+    def _run_name(self) -> str:
+        if self.tcfg.run_name:
+            return self.tcfg.run_name
+        if os.environ.get(ENV_RUN_NAME):
+            return os.environ[ENV_RUN_NAME]
+        return f"{self.cfg.model.name}-{self.cfg.quant.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def _start_tags(self) -> dict[str, str]:
+        sha, dirty = git_state()
+        tags = {"git_sha": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
+                "kvcalib_version": pipeline.__version__, "run_dir": str(self.run_dir.resolve()),
+                "overrides": " ".join(_overrides(self.run_dir)), "quant_name": self.cfg.quant.name,
+                "mlflow.source.name": "python -m pipeline run", "mlflow.source.type": "LOCAL"}
+        if sha != "unknown":
+            tags["mlflow.source.git.commit"] = sha
+        if os.environ.get(ENV_PARENT_RUN):
+            tags["mlflow.parentRunId"] = os.environ[ENV_PARENT_RUN]
+        return tags
+
+    def record(self, out: dict) -> None:
+        """Metrics, tags and artifacts of a finished pipeline run (`run_pipeline`'s return value)."""
+        if self.run_id is None:
+            return
+        summary = out["summary"]
+        try:
+            self._log_batch(metrics=summary_metrics(summary), tags=summary_tags(summary))
+            with tempfile.TemporaryDirectory(prefix="kvcalib-mlflow-") as tmp:
+                _write_artifacts(out, self.cfg, self.run_dir, Path(tmp))
+                self.client.log_artifacts(self.run_id, tmp)
+            if summary.get("artifact_dir"):
+                folder = Path(summary["artifact_dir"])
+                self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
+        except Exception as exc:
+            message = f"could not record the run in MLflow tracking store {self.tcfg.uri} ({_short(exc)})"
+            self._terminate("FAILED", f"tracking: {message}")
+            self.run_id = None
+            if self.tcfg.required:
+                raise TrackingError(f"{message}; results are complete in {self.run_dir.resolve()}") from exc
+            self.warn(f"warning: {message}; results are complete in {self.run_dir.resolve()}")
+
+    def _log_batch(self, metrics: dict[str, float] = {}, params: dict[str, str] = {},
+                   tags: dict[str, str] = {}) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
+                              params=[Param(k, v) for k, v in params.items()],
+                              tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def fail(self, exc: BaseException) -> None:
+        if self.run_id is None:
+            return
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        self._terminate(status, _short(exc, _MAX_TAG_CHARS), "".join(traceback.format_exception(exc)))
+        self.run_id = None
+
+    def _terminate(self, status: str, error: str, trace: str = "") -> None:
+        """Best effort: the store may be the thing that failed; the caller reports the original error."""
+        try:
+            self.client.set_tag(self.run_id, "error", error[:_MAX_TAG_CHARS])
+            if trace:
+                self.client.log_text(self.run_id, trace, "error/traceback.txt")
+        except Exception as exc:
+            self.warn(f"warning: could not record the error in MLflow run {self.run_id}: {_short(exc)}")
+        try:
+            self.client.set_terminated(self.run_id, status)
+        except Exception as exc:
+            self.warn(f"warning: MLflow run {self.run_id} could not be marked {status}: {_short(exc)}")
+
+    def finish(self) -> None:
+        if self.run_id is not None:
+            try:
+                self.client.set_terminated(self.run_id, "FINISHED")
+            except Exception as exc:
+                self.unreachable = f"MLflow run {self.run_id} could not be closed in {self.tcfg.uri} ({_short(exc)})"
+        if self.unreachable and self.tcfg.required:
+            raise TrackingError(f"{self.unreachable}; the results are complete in {self.run_dir.resolve()} but "
+                                f"were not recorded (tracking.required=false goes on without MLflow)")
+
+
+class _NoRecorder:
+    run_id = None
+
+    def record(self, out: dict) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def tracked_run(cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = print):
+    """`with tracked_run(cfg, run_dir) as rec: out = run_pipeline(cfg, run_dir); rec.record(out)`.
+
+    An exception inside the block marks the run FAILED (KILLED for Ctrl-C) with the error and re-raises it;
+    a normal exit marks it FINISHED, or raises TrackingError when the store failed and tracking.required.
+    """
+    if not cfg.tracking.enabled:
+        yield _NoRecorder()
+        return
+    recorder = RunRecorder(cfg, run_dir, warn=warn, log=log)
+    recorder.start()
+    try:
+        yield recorder
+    except BaseException as exc:
+        recorder.fail(exc)
+        raise
+    recorder.finish()
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+
+class SweepCallback(Callback):
+    """Hydra callback (conf/config.yaml `hydra.callbacks`): a parent MLflow run around a multirun.
+
+    The parent is opened at `on_multirun_start`, its id reaches every job through `ENV_PARENT_RUN` (set here for
+    launchers that inherit the environment, and again in `on_job_start`, which runs inside the job's process on
+    joblib, submitit and Ray workers, where this object arrives pickled), and it is closed at `on_multirun_end`:
+    FINISHED when every child finished, FAILED otherwise, or at interpreter exit when a job aborted the sweep.
+    """
+
+    def __init__(self) -> None:
+        self.uri: str | None = None
+        self.parent_run_id: str | None = None
+        self.swept: list[str] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        tcfg = OmegaConf.merge(OmegaConf.structured(TrackingConfig), OmegaConf.select(config, "tracking") or {})
+        if not tcfg.enabled:
+            return
+        overrides = list(OmegaConf.select(config, "hydra.overrides.task") or [])
+        self.swept = _swept_keys(overrides)
+        try:
+            client = connect(tcfg.uri, tcfg.probe_timeout_s)
+            sha, _ = git_state()
+            tags = {"git_sha": sha, "kvcalib_version": pipeline.__version__, "sweep_overrides": " ".join(overrides),
+                    "sweep_dir": str(Path(str(config.hydra.sweep.dir)).resolve()),
+                    "mlflow.source.name": "python -m pipeline run -m", "mlflow.source.type": "LOCAL"}
+            run = client.create_run(experiment_id(client, tcfg.experiment), tags=tags,
+                                    run_name=f"sweep-{time.strftime('%Y%m%d-%H%M%S')}")
+        except Exception as exc:
+            _stderr(f"warning: no parent MLflow run for this sweep: {_short(exc)}; each job reports its own run")
+            return
+        self.uri, self.parent_run_id = tcfg.uri, run.info.run_id
+        os.environ[ENV_PARENT_RUN] = self.parent_run_id
+        import atexit
+        atexit.register(self._close, aborted=True)
+        print(f"mlflow: sweep parent run {self.parent_run_id} at {self.uri}")
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.parent_run_id is None:
+            return
+        os.environ[ENV_PARENT_RUN] = self.parent_run_id
+        job = OmegaConf.select(config, "hydra.job")
+        picked = [o for o in OmegaConf.select(config, "hydra.overrides.task") or [] if _key(o) in self.swept]
+        os.environ[ENV_RUN_NAME] = ",".join(picked) if picked else f"job{job.num if job else ''}"
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._close(aborted=False)
+
+    def _close(self, aborted: bool) -> None:
+        if self.parent_run_id is None:
+            return
+        run_id, self.parent_run_id = self.parent_run_id, None
+        try:
+            client = connect(self.uri)
+            parent = client.get_run(run_id)
+            children = client.search_runs([parent.info.experiment_id],
+                                          filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+            finished = [c for c in children if c.info.status == "FINISHED"]
+            ok = not aborted and children and len(finished) == len(children)
+            client.log_metrics = None  # noqa: the parent carries counts, not per-job numbers
+            client.log_batch(run_id, metrics=_counts(len(children), len(finished)))
+            if not ok:
+                client.set_tag(run_id, "error", "the sweep was aborted" if aborted else
+                               f"{len(children) - len(finished)} of {len(children)} jobs did not finish")
+            client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+        except Exception as exc:
+            _stderr(f"warning: the sweep's parent MLflow run {run_id} could not be closed: {_short(exc)}")
+
+
+def _counts(n_jobs: int, n_finished: int) -> list:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [Metric("sweep.n_jobs", n_jobs, now, 0), Metric("sweep.n_finished", n_finished, now, 0)]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _swept_keys(overrides: list[str]) -> list[str]:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [_key(o.input_line) for o in parsed if o.is_sweep_override()]
+
+
+# ---------------------------------------------------------------------------------------------- show
+
+def looks_like_run_id(text: str) -> bool:
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
+def show_run(run_id: str, tracking_uri: str) -> str:
+    """The lineage of a recorded run, read back from MLflow: code, model, data, config, stages, results."""
+    from mlflow.exceptions import MlflowException
+
+    client = connect(tracking_uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        raise UserError(f"no MLflow run {run_id} in {tracking_uri} ({_short(exc, 120)}); "
+                        f"pass tracking.uri=... for another store") from exc
+    info, params, tags, metrics = run.info, run.data.params, run.data.tags, run.data.metrics
+    exp = client.get_experiment(info.experiment_id)
+    lines = [f"MLflow run {info.run_id} {info.run_name!r}: {info.status}",
+             f"  store       {tracking_uri}, experiment {exp.name!r} ({info.experiment_id})",
+             f"  started     {_when(info.start_time)}" + (f", took {(info.end_time - info.start_time) / 1000:.1f} s"
+                                                        if info.end_time else "")]
+    if "mlflow.parentRunId" in tags:
+        lines.append(f"  sweep       child of run {tags['mlflow.parentRunId']}")
+    if "error" in tags:
+        lines.append(f"  error       {tags['error']}")
+    dirty = {"true": " (with uncommitted changes)", "false": ""}.get(tags.get("git_dirty", ""), "")
+    lines += ["code", f"  kvcalib {tags.get('kvcalib_version', '?')}, git {tags.get('git_sha', 'unknown')}{dirty}",
+              f"  command     {tags.get('mlflow.source.name', 'python -m pipeline run')} {tags.get('overrides', '')}".rstrip(),
+              f"  run dir     {tags.get('run_dir', '?')}"]
+    lines += ["model", f"  {params.get('model.name', '?')} (source {params.get('model.source', '?')}"
+              + (f", path {params['model.path']}" if params.get("model.path") else "") + ")",
+              f"  model sha256      {tags.get('model_sha256', '-')}",
+              f"  tokenizer sha256  {tags.get('tokenizer_sha256', '-')}"]
+    lines += ["data", f"  {tags.get('data_description', params.get('data.source', '?'))}",
+              f"  calibration {params.get('data.n_samples', '?')} x {params.get('data.seq_len', '?')} tokens, "
+              f"seed {params.get('data.seed', '?')}, sha256 {tags.get('calib_sha256', '-')}",
+              f"  evaluation  {params.get('data.eval_n_samples', '?')} x {params.get('data.eval_seq_len', '?')} "
+              f"tokens, sha256 {tags.get('eval_sha256', '-')}"]
+    quant = {k[len("quant."):]: v for k, v in params.items() if k.startswith("quant.")}
+    lines += ["config", f"  quant       " + " ".join(f"{k}={v}" for k, v in sorted(quant.items())),
+              f"  stages      {params.get('stages', '?')}",
+              f"  {len(params)} params; the resolved config is the run's artifact config/config.yaml"]
+    stage_names = sorted({k.split(".")[1] for k in tags if k.startswith("stage.") and k.endswith(".key")})
+    if stage_names:
+        lines.append("stages")
+        lines += [f"  {s:<16} {tags.get(f'stage.{s}.status', '?'):<9} key {tags[f'stage.{s}.key'][:12]}  "
+                  f"{metrics.get(f'stage.{s}.wall_s', float('nan')):.1f} s  "
+                  f"{metrics.get(f'stage.{s}.peak_rss_mb', float('nan')):.0f} MB" for s in stage_names]
+    recipes = sorted({k.split(".")[1] for k in metrics if k.startswith("eval.")})
+    if recipes:
+        lines.append("evaluation")
+        lines += ["  " + f"{r:<14}" + "  ".join(f"{c} {metrics[f'eval.{r}.{c}']:.4g}"
+                                                for c in ("avg_bits", "ppl", "kl", "top1") if f"eval.{r}.{c}" in metrics)
+                  for r in recipes]
+    if "runtime_check_status" in tags:
+        errs = "  ".join(f"{k[len('runtime_check.'):]} {v:.3g}" for k, v in sorted(metrics.items())
+                         if k.startswith("runtime_check."))
+        lines += ["runtime check", f"  {tags['runtime_check_status']}  {errs}".rstrip()]
+    if "manifest_sha256" in tags or "artifact_dir" in tags:
+        lines += ["artifact", f"  {tags.get('artifact_dir', '-')}",
+                  f"  manifest sha256 {tags.get('manifest_sha256', '-')}, "
+                  f"format version {tags.get('manifest_format_version', '-')}"]
+    return "\n".join(lines)
+
+
+def _when(ms: int | None) -> str:
+    if not ms:
+        return "?"
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+__all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run",
+           "looks_like_run_id", "flatten", "summary_metrics", "summary_tags", "evaluation_table", "git_state",
+           "EXIT_UNREACHABLE", "ENV_PARENT_RUN"]

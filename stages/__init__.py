@@ -1,0 +1,1 @@
+"""Pure calibration stages: inputs + config in, tensors + metadata out. No files, no MLflow, no Hydra."""

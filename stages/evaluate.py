@@ -1,0 +1,148 @@
+"""Quality of quantized caches against the full-precision reference, on evaluation windows only.
+
+Every cached K and V entry of every layer goes through exporters.codec (encode -> decode) except the declared
+sink rows and residual window. The residual window is evaluated as decode sees it: query t reads keys and
+values at distance < R in full precision and older ones quantized (a distance mask choosing between the two
+score matrices and the two value sets), not by quantizing the window once.
+
+Metrics per policy: perplexity, KL(reference || quantized) of next-token distributions, top-1 agreement,
+average bits per cached element from the ledger (codes, scales, zero-points, sparse values + indices + row
+pointers, full-precision sink and residual rows at 16 bits, per-layer static tensors once per sequence), and
+the measured sparse-outlier fraction.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from exporters.codec import encoded_bits, fake_quant, static_bits
+from exporters.rope import apply_rope
+from stages.base import StageResult
+from stages.hooks import attend, attention_layers, attention_override, attention_scores, forward_hooks, sdpa_attention
+from stages.policy import CachePolicy
+
+
+class _Ledger:
+    def __init__(self):
+        self.bits = 0.0
+        self.elements = 0
+        self.outliers = {"k": 0, "v": 0}
+        self.encoded = {"k": 0, "v": 0}
+
+    def add(self, kind: str, e, p, rows_q: int, rows_full: int, per_row: int) -> None:
+        encoded_rows = e.shape[2]
+        if encoded_rows:
+            self.bits += encoded_bits(e, p) * rows_q / encoded_rows
+        self.bits += 16 * rows_full * per_row + static_bits(p)
+        self.elements += (rows_q + rows_full) * per_row
+        self.outliers[kind] += e.n_outliers
+        self.encoded[kind] += math.prod(e.shape)
+
+
+def quantized_attention(policy: CachePolicy, pre_keys: dict[int, torch.Tensor], rope: dict, ledger: _Ledger | None):
+    """An attention function (see stages.hooks) that reads the cache through the codec under `policy`."""
+    s_sink, residual = policy.n_sink, policy.residual
+
+    def attn(module, query, key, value, mask, scaling):
+        layer = module.layer_idx
+        pk, pv = policy.layers[layer]
+        b, h, t, d = key.shape
+        k_src = pre_keys[layer] if policy.key_rope == "pre" else key
+        lam = policy.smooth[layer].to(key.dtype)[None, :, None, :] if policy.smooth is not None else None
+        if lam is not None:
+            k_src = k_src / lam  # the cache stores K / lambda (rope pairs share lambda, so RoPE commutes)
+        s = min(s_sink, t)
+        k_hat, v_hat = k_src.clone(), value.clone()
+        k_hat[:, :, s:], ek = fake_quant(k_src[:, :, s:], pk, f"layer {layer} keys")
+        v_hat[:, :, s:], ev = fake_quant(value[:, :, s:], pv, f"layer {layer} values")
+        if lam is not None:
+            k_hat = k_hat * lam
+        if policy.key_rope == "pre":
+            k_hat = apply_rope(k_hat, rope["cos"], rope["sin"])
+        if s and policy.key_rope == "post":
+            k_hat[:, :, :s] = key[:, :, :s]
+        if ledger is not None:
+            r = min(residual, t - s)
+            for kind, e, p in (("k", ek, pk), ("v", ev, pv)):
+                ledger.add(kind, e, p, rows_q=t - s - r, rows_full=s + r, per_row=b * h * d)
+        if residual == 0:
+            return sdpa_attention(query, k_hat, v_hat, mask, scaling)
+        t_q = query.shape[2]
+        q_pos = torch.arange(t - t_q, t)[:, None]
+        near = (q_pos - torch.arange(t)[None]) < residual  # [T_q, T]: read in full precision
+        scores = torch.where(near, attention_scores(query, key, mask, scaling),
+                             attention_scores(query, k_hat, mask, scaling))
+        probs = torch.softmax(scores, dim=-1)
+        return attend(probs * near, value, query.dtype) + attend(probs * ~near, v_hat, query.dtype)
+
+    return attn
+
+
+def rope_tables(model, ids: torch.Tensor) -> dict:
+    """cos/sin of the model's own rotary module (handles Llama-3 scaling) at positions 0..T-1."""
+    positions = torch.arange(ids.shape[1], device=ids.device)[None]
+    dummy = torch.zeros(1, ids.shape[1], 1, dtype=next(model.parameters()).dtype, device=ids.device)
+    cos, sin = model.model.rotary_emb(dummy, positions)
+    return {"cos": cos, "sin": sin}
+
+
+def fit(model: torch.nn.Module, spec, windows: torch.Tensor, policies: list[CachePolicy],
+        progress: Callable[[int], None] | None = None) -> StageResult:
+    """windows [M, T] evaluation token ids -> per-policy ppl, kl, top1, avg_bits, outlier fractions."""
+    stats = {p.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "ledger": _Ledger()} for p in policies}
+    pre_keys: dict[int, torch.Tensor] = {}
+
+    def stash(layer: int):
+        def hook(_m, _inp, out):
+            b, t, _ = out.shape
+            pre_keys[layer] = out.view(b, t, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        return hook
+
+    hooks = [(a.k_proj, stash(i), False) for i, a in enumerate(attention_layers(model))]
+    device = next(model.parameters()).device
+    with torch.no_grad(), forward_hooks(hooks):
+        for w in range(windows.shape[0]):
+            ids = windows[w : w + 1].to(device)
+            targets = ids[0, 1:]
+            rope = rope_tables(model, ids)
+            ref = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)  # [T, V]
+            ref_top = ref.argmax(-1)
+            for policy in policies:
+                st = stats[policy.name]
+                if policy.is_full_precision:
+                    logp = ref
+                    st["ledger"].bits += 16 * 2 * ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
+                    st["ledger"].elements += 2 * ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
+                else:
+                    with attention_override(model, quantized_attention(policy, pre_keys, rope, st["ledger"])):
+                        logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
+                st["nll"] -= float(logp[:-1].gather(1, targets[:, None]).sum())
+                st["kl"] += float((ref.exp() * (ref - logp)).sum())
+                st["top1"] += int((logp.argmax(-1) == ref_top).sum())
+                st["tokens"] += ids.shape[1]
+            if progress:
+                progress(1)
+    n_pred = windows.shape[0] * (windows.shape[1] - 1)
+    recipes = {}
+    for name, st in stats.items():
+        led = st["ledger"]
+        recipes[name] = {
+            "ppl": math.exp(st["nll"] / n_pred), "kl": st["kl"] / st["tokens"], "top1": st["top1"] / st["tokens"],
+            "avg_bits": led.bits / max(1, led.elements),
+            "outlier_fraction_k": led.outliers["k"] / max(1, led.encoded["k"]),
+            "outlier_fraction_v": led.outliers["v"] / max(1, led.encoded["v"]),
+        }
+    return StageResult({}, {"recipes": recipes, "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1])})
+
+
+def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
+    ref_ppl = recipes.get(reference, {}).get("ppl")
+    head = f"{'recipe':<22} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'KL':>8} {'top1':>7} {'sparse K/V %':>13}"
+    lines = [head, "-" * len(head)]
+    for name, r in sorted(recipes.items(), key=lambda kv: -kv[1]["avg_bits"]):
+        ratio = f"{r['ppl'] / ref_ppl:9.4f}" if ref_ppl else f"{'-':>9}"
+        sparse = f"{100 * r['outlier_fraction_k']:.2f}/{100 * r['outlier_fraction_v']:.2f}"
+        lines.append(f"{name:<22} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
+    return "\n".join(lines)

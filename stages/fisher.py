@@ -1,0 +1,62 @@
+"""Diagonal Fisher information of the cached K and V (KVQuant, Hooper et al. 2024, sec. 3.3 and App. C).
+
+F = (dL/dA)^2 per element, L the causal-LM cross-entropy (summed over tokens, labels = input ids) and A the
+k_proj / v_proj output (pre-RoPE keys, values). KVQuant keeps the squared gradient per token and element;
+we keep it for exactly the reservoir rows of the traces stage, so Fisher and activations align element by
+element. One window's graph at a time bounds memory.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from stages.base import StageResult, check_finite
+from stages.hooks import attention_layers, forward_hooks
+
+
+def fit(model: torch.nn.Module, spec, windows: torch.Tensor, res_sample: torch.Tensor, res_pos: torch.Tensor,
+        progress: Callable[[int], None] | None = None) -> StageResult:
+    """windows [N, T]; res_sample/res_pos [S] -> fisher_k, fisher_v [S, n_layers, H_kv, D]."""
+    n_rows = res_sample.numel()
+    shape = (n_rows, spec.n_layers, spec.n_kv_heads, spec.head_dim)
+    fisher_k, fisher_v = torch.zeros(shape), torch.zeros(shape)
+    leaves: dict[tuple[str, int], torch.Tensor] = {}
+
+    def make(kind: str, layer: int):
+        def hook(_m, _inp, out):
+            leaf = out.detach().requires_grad_(True)  # the graph downstream of this activation is kept
+            leaves[(kind, layer)] = leaf
+            return leaf
+        return hook
+
+    attns = attention_layers(model)
+    hooks = [(a.k_proj, make("k", i), False) for i, a in enumerate(attns)]
+    hooks += [(a.v_proj, make("v", i), False) for i, a in enumerate(attns)]
+    device = next(model.parameters()).device
+    total_loss = 0.0
+    with forward_hooks(hooks), torch.enable_grad():
+        for s in range(windows.shape[0]):
+            rows = (res_sample == s).nonzero().flatten()
+            if rows.numel() == 0:
+                if progress:
+                    progress(1)
+                continue
+            leaves.clear()
+            ids = windows[s : s + 1].to(device)
+            out = model(ids, labels=ids, use_cache=False)
+            loss = out.loss * (ids.shape[1] - 1)  # summed cross-entropy: gradients do not shrink with T
+            check_finite(loss.detach(), f"the LM loss of calibration sample {s}")
+            keys = [("k", i) for i in range(spec.n_layers)] + [("v", i) for i in range(spec.n_layers)]
+            grads = torch.autograd.grad(loss, [leaves[k] for k in keys])
+            pos = res_pos[rows]
+            for (kind, layer), g in zip(keys, grads):
+                sq = g[0, pos].float().square().view(-1, spec.n_kv_heads, spec.head_dim)  # [rows, H, D]
+                (fisher_k if kind == "k" else fisher_v)[rows, layer] = sq
+            total_loss += float(loss.detach())
+            if progress:
+                progress(1)
+    check_finite(fisher_k, "Fisher of keys")
+    check_finite(fisher_v, "Fisher of values")
+    return StageResult({"fisher_k": fisher_k, "fisher_v": fisher_v},
+                       {"rows": n_rows, "mean_token_nll": total_loss / max(1, windows.numel() - windows.shape[0])})

@@ -1,0 +1,33 @@
+"""Dense-and-sparse outlier policy (KVQuant, Hooper et al. 2024, sec. 3.4).
+
+Keys: static per-channel thresholds from calibration (the key_scales bounds); entries outside are stored
+sparse in fp16. Values: a rule applied at encode time, per token over all KV heads, at the f/2 and
+1 - f/2 quantiles of that token (exporters.codec.token_outlier_bounds). This stage fixes the thresholds and
+reports the sparse fraction on the calibration rows; evaluation reports it on the evaluation text.
+"""
+from __future__ import annotations
+
+import torch
+
+from exporters.codec import token_outlier_bounds
+from stages.base import StageResult
+from stages.key_scales import sink_free_rows
+
+
+def fit(keys: torch.Tensor, values: torch.Tensor, res_pos: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
+        fraction: float, n_sink: int) -> StageResult:
+    """keys/values [S, L, H, D]; lower/upper [L, H, D] -> thresholds and measured sparse fractions."""
+    rows = sink_free_rows(res_pos, n_sink)
+    k, v = keys[rows].float(), values[rows].float()
+    k_frac = float(((k < lower) | (k > upper)).float().mean()) if fraction > 0 else 0.0
+    v_frac = 0.0
+    if fraction > 0:
+        counts = 0
+        for layer in range(v.shape[1]):
+            x = v[:, layer].permute(1, 0, 2)[None]  # [1, H, S, D]: reservoir rows as tokens
+            lo, hi = token_outlier_bounds(x, fraction)
+            counts += int(((x < lo) | (x > hi)).sum())
+        v_frac = counts / v.numel()
+    return StageResult({"k_lower": lower.clone(), "k_upper": upper.clone()},
+                       {"configured_fraction": fraction, "calib_fraction_k": k_frac, "calib_fraction_v": v_frac,
+                        "v_rule": "per token over all KV heads, quantiles f/2 and 1-f/2"})

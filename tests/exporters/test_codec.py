@@ -1,0 +1,166 @@
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exporters.codec import (CodecError, TensorPolicy, decode, encode, encoded_bits, fake_quant, fp8_scale_from_amax,
+                             pack_codes, static_bits, token_outlier_bounds, unpack_codes)
+
+
+def t4(rows):  # [T, D] -> [1, 1, T, D]
+    return torch.tensor(rows, dtype=torch.float32)[None, None]
+
+
+def test_uniform_per_token_is_exact_on_its_grid():
+    x = t4([[0.0, 1.0, 2.0, 3.0], [10.0, 10.5, 11.0, 11.5]])
+    p = TensorPolicy(format="uniform", bits=2, axis="token")
+    e = encode(x, p)
+    assert e.codes.flatten().tolist() == [0, 1, 2, 3] * 2
+    assert e.scale.flatten().tolist() == [1.0, 0.5] and e.zero.flatten().tolist() == [0.0, 10.0]
+    assert torch.equal(decode(e, p), x)
+
+
+def test_uniform_rounds_to_nearest_level():
+    x = t4([[0.0, 0.9, 1.6, 3.0]])
+    y, _ = fake_quant(x, TensorPolicy(format="uniform", bits=2, axis="token"))
+    assert y.flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_uniform_per_channel_groups_of_tokens():
+    # two channels, three tokens, groups of 2 tokens: group 0 = tokens 0-1, group 1 = token 2 alone
+    x = t4([[0.0, 5.0], [3.0, 5.0], [7.0, -1.0]])
+    p = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=2)
+    e = encode(x, p)
+    assert e.scale.shape == (1, 1, 2, 2)
+    assert e.scale[0, 0].tolist() == [[1.0, 0.0], [0.0, 0.0]]  # channel 1 constant in group 0; group 1 one token
+    assert torch.equal(decode(e, p), x)
+
+
+def test_constant_rows_and_channels_encode_exactly():
+    x = torch.full((1, 2, 5, 4), 3.25)
+    for p in (TensorPolicy(format="uniform", bits=4, axis="token"),
+              TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
+              TensorPolicy(format="nuq", bits=2, axis="token", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0])),
+              TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0]),
+                           zero=torch.full((2, 4), 3.25), range=torch.zeros(2, 4))):
+        y, _ = fake_quant(x, p)
+        assert torch.equal(y, x), p.format + "/" + p.axis
+
+
+def test_nuq_per_channel_hand_checked():
+    book = torch.tensor([-1.0, -0.5, 0.5, 1.0])
+    p = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=book, zero=torch.tensor([[1.0, 0.0]]),
+                     range=torch.tensor([[2.0, 4.0]]))
+    # channel 0: xn = (x - 1) / 2 ; channel 1: xn = x / 4
+    x = t4([[2.0, -1.0], [-5.0, 3.2]])  # xn: [0.5, -0.25], [-3 -> clamp -1, 0.8]
+    e = encode(x, p)
+    assert e.codes.flatten().tolist() == [2, 1, 0, 3]  # -0.25 is nearer -0.5 than 0.5
+    assert decode(e, p).flatten().tolist() == [2.0, -2.0, -1.0, 4.0]
+
+
+def test_nuq_per_token_uses_midpoint_and_half_range():
+    book = torch.tensor([-1.0, -0.5, 0.5, 1.0])
+    x = t4([[0.0, 1.0, 3.0, 4.0]])  # zero = 2, range = 2: xn = -1, -0.5, 0.5, 1
+    y, e = fake_quant(x, TensorPolicy(format="nuq", bits=2, axis="token", codebook=book))
+    assert torch.equal(y, x) and e.zero.item() == 2.0 and e.scale.item() == 2.0
+
+
+def test_sparse_channel_outliers_are_kept_exactly():
+    book = torch.tensor([-1.0, 1.0])
+    p = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0]),
+                     zero=torch.zeros(1, 1), range=torch.ones(1, 1), outlier_fraction=0.01,
+                     lower=torch.full((1, 1), -1.0), upper=torch.ones(1, 1))
+    x = t4([[0.3], [50.0], [-1.0], [-7.5]])
+    y, e = fake_quant(x, p)
+    assert e.n_outliers == 2 and e.outlier_index[:, 2].tolist() == [1, 3]
+    assert y.flatten().tolist() == pytest.approx([0.3, 50.0, -1.0, -7.5])
+    del book
+
+
+def test_token_outlier_rule_over_all_heads():
+    x = torch.zeros(1, 2, 1, 100)
+    x[0, 0, 0, :] = torch.linspace(-1, 1, 100)
+    x[0, 1, 0, :] = torch.linspace(-1, 1, 100)
+    x[0, 1, 0, 7] = 300.0  # one huge value in head 1
+    lo, hi = token_outlier_bounds(x, 0.01)
+    assert lo.shape == (1, 1, 1, 1) and hi.item() < 300.0
+    book = torch.linspace(-1, 1, 16)
+    y, e = fake_quant(x, TensorPolicy(format="nuq", bits=4, axis="token", codebook=book, outlier_fraction=0.01))
+    assert y[0, 1, 0, 7].item() == 300.0
+    assert 1 <= e.n_outliers <= 4  # 1% of 200 entries -> about 2 (one per tail)
+    assert (y - x).abs().max() < 0.2
+
+
+def test_fp8_per_tensor_and_per_head():
+    x = torch.randn(1, 3, 16, 8, generator=torch.Generator().manual_seed(0)) * torch.tensor([1.0, 10.0, 100.0])[None, :, None, None]
+    amax = x.abs().amax()
+    p = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=fp8_scale_from_amax(amax))
+    y, e = fake_quant(x, p)
+    assert e.dense.dtype == torch.float8_e4m3fn
+    # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal spacing 2^-9 x scale
+    scale = p.fp8_scale
+    assert ((y - x).abs() <= x.abs() * 2 ** -4 + scale * 2 ** -10 + 1e-7).all()
+    # a head 1e5 x smaller than the largest falls into fp8's subnormal range under one per-tensor scale
+    x[0, 0] *= 1e-4
+    amax = x.abs().amax()
+    y, _ = fake_quant(x, TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=fp8_scale_from_amax(amax)))
+    head = TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=fp8_scale_from_amax(x.abs().amax((0, 2, 3))))
+    yh, _ = fake_quant(x, head)
+    rel = lambda a: ((a - x)[0, 0].abs() / x[0, 0].abs()).median()
+    assert rel(yh) < 2 ** -4 < rel(y)  # the small head gets its own scale
+
+
+def test_fp8_scale_never_zero():
+    assert fp8_scale_from_amax(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+    assert fp8_scale_from_amax(torch.tensor(448.0)).item() == 1.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([2, 3, 4, 8]), d=st.integers(1, 70), rows=st.integers(1, 4), seed=st.integers(0, 999))
+def test_pack_unpack_round_trip(bits, d, rows, seed):
+    codes = torch.randint(0, 2 ** bits, (rows, d), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (rows, -(-d * bits // 8))
+    assert torch.equal(unpack_codes(packed, bits, d), codes)
+
+
+def test_pack_layout_is_little_endian():
+    assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[1 | 2 << 2 | 3 << 4]]
+
+
+def test_ledger_hand_checked():
+    x = torch.randn(1, 1, 2, 4)
+    p = TensorPolicy(format="uniform", bits=4, axis="token")
+    e = encode(x, p)
+    assert encoded_bits(e, p) == 8 * 4 + 2 * 2 * 16  # codes + (scale, zero) per token in fp16
+    book = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0]),
+                        zero=torch.zeros(1, 4), range=torch.ones(1, 4))
+    assert static_bits(book) == 4 * 16 + 4 * 16 + 4 * 16
+
+
+@pytest.mark.parametrize("policy,pattern", [
+    (TensorPolicy(format="uniform", bits=5, axis="token"), r"bits must be one of \(2, 3, 4, 8\), got 5"),
+    (TensorPolicy(format="uniform", bits=4, axis="token", outlier_fraction=0.2), r"outlier_fraction must be in \[0, 0.1\], got 0.2"),
+    (TensorPolicy(format="int", bits=4), r"format must be one of"),
+    (TensorPolicy(format="uniform", bits=4, axis="head"), r"axis for format uniform must be one of"),
+    (TensorPolicy(format="fp8", bits=8, axis="tensor"), r"fp8 needs a calibrated fp8_scale"),
+    (TensorPolicy(format="nuq", bits=2, axis="token", codebook=torch.tensor([0.0, 0.0, 1.0, 2.0])), r"strictly increasing"),
+    (TensorPolicy(format="nuq", bits=3, axis="token", codebook=torch.zeros(4)), r"2\^bits = 8 levels, got 4"),
+    (TensorPolicy(format="uniform", bits=2, axis="channel"), r"group_size must be >= 1"),
+])
+def test_bad_policies_name_the_field(policy, pattern):
+    with pytest.raises(CodecError, match=pattern):
+        encode(torch.zeros(1, 1, 2, 2), policy, "layer 3 keys")
+
+
+def test_non_finite_input_is_refused():
+    x = torch.zeros(1, 1, 2, 2)
+    x[0, 0, 1, 1] = float("nan")
+    with pytest.raises(CodecError, match=r"layer 0 keys: 1 non-finite"):
+        encode(x, TensorPolicy(format="uniform", bits=4, axis="token"), "layer 0 keys")
+
+
+def test_ties_go_to_the_lower_level():
+    book = torch.tensor([-1.0, -0.5, 0.5, 1.0])
+    p = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=book, zero=torch.zeros(1, 1), range=torch.ones(1, 1))
+    assert encode(t4([[0.75], [0.0], [-0.75]]), p).codes.flatten().tolist() == [2, 1, 0]

@@ -1,0 +1,70 @@
+import pytest
+import torch
+
+from pipeline.config import DataConfig
+from pipeline.data import build_windows, consecutive_windows, load_texts, random_windows
+from pipeline.errors import UserError
+
+
+def test_random_windows_are_deterministic_and_disjoint():
+    ids = torch.arange(100)
+    a = random_windows(ids, 4, 10, seed=0)
+    b = random_windows(ids, 4, 10, seed=0)
+    c = random_windows(ids, 4, 10, seed=1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    starts = sorted(int(w[0]) for w in a)
+    assert all(int(w[0]) % 10 == 0 for w in a) and len(set(starts)) == 4  # non-overlapping slots
+    assert all(torch.equal(w, torch.arange(int(w[0]), int(w[0]) + 10)) for w in a)
+
+
+def test_consecutive_windows():
+    assert consecutive_windows(torch.arange(25), 2, 10).tolist() == [list(range(10)), list(range(10, 20))]
+
+
+def test_too_many_windows_names_both_numbers():
+    with pytest.raises(UserError, match=r"asked for 11 calibration windows of 10 tokens.*only 10"):
+        random_windows(torch.arange(105), 11, 10, seed=0)
+
+
+@pytest.mark.parametrize("field,value,pattern", [
+    ("seq_len", 1, r"data.seq_len must be >= 2 tokens, got 1"),
+    ("n_samples", 0, r"data.n_samples must be >= 1, got 0"),
+    ("source", "s3", r"data.source must be one of \('embedded', 'local', 'hub'\), got 's3'"),
+])
+def test_bad_data_config(field, value, pattern):
+    cfg = DataConfig(**{field: value})
+    with pytest.raises(UserError, match=pattern):
+        load_texts(cfg)
+
+
+def test_missing_and_empty_paths(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_texts(DataConfig(source="local", path=str(tmp_path / "nope.txt")))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(UserError, match="holds no text"):
+        load_texts(DataConfig(source="local", path=str(empty)))
+
+
+def test_embedded_text_halves_are_disjoint_real_english():
+    calib, evaluation, desc = load_texts(DataConfig())
+    assert len(calib) > 100_000 and len(evaluation) > 100_000 and "pydoc" in desc
+    assert calib[-2000:] not in evaluation and " the " in calib
+
+
+def test_local_folder_uses_the_two_files(tmp_path, tiny):
+    (tmp_path / "valid.txt").write_text("alpha beta gamma " * 200)
+    (tmp_path / "test.txt").write_text("one two three four " * 200)
+    w = build_windows(DataConfig(source="local", path=str(tmp_path), n_samples=2, seq_len=16,
+                                 eval_n_samples=2, eval_seq_len=16), tiny.tokenizer)
+    calib_vocab, eval_vocab = set(w.calib.flatten().tolist()), set(w.eval.flatten().tolist())
+    assert not calib_vocab & eval_vocab
+    assert len(w.calib_sha256) == 64 and w.calib_sha256 != w.eval_sha256
+
+
+def test_jsonl_source(tmp_path, tiny):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join('{"text": "sentence number %d is here."}' % i for i in range(400)))
+    w = build_windows(DataConfig(source="local", path=str(f), n_samples=2, seq_len=32, eval_n_samples=1,
+                                 eval_seq_len=32), tiny.tokenizer)
+    assert w.calib.shape == (2, 32) and w.eval.shape == (1, 32)
