@@ -31,16 +31,18 @@ def pareto_report(recipes: dict[str, dict]) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def add_protocol_args(ap: argparse.ArgumentParser) -> None:
+    """The data protocol's knobs, shared by the benchmarks that follow it (bench.ablation)."""
     ap.add_argument("--n-samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--eval-n-samples", type=int, default=16)
-    ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--cache-dir", default=".kvcalib_cache")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    names = args.recipes.split(",")
+
+
+def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
+    """The protocol's run config: every recipe in `names` evaluated side by side; export, runtime check and the
+    drift analysis off (benchmarks measure quality per bit; `python -m pipeline run` does the rest)."""
     unknown = [n for n in names if n not in recipe_names()]
     if unknown:
         raise SystemExit(f"--recipes: unknown {unknown}; allowed: {recipe_names()}")
@@ -49,8 +51,25 @@ def main() -> None:
         data=DataConfig(name="wikitext-2", source="local", path=str(wikitext_dir()), n_samples=args.n_samples,
                         seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples, eval_seq_len=args.seq_len),
         quant=load_recipe(names[0]), eval=EvalConfig(recipes=names), cache_dir=args.cache_dir)
+    cfg.export.enabled = cfg.check.enabled = False
+    cfg.sensitivity.enabled = cfg.probes.enabled = cfg.gate.enabled = False
+    return cfg
+
+
+def run_protocol(names: list[str], args: argparse.Namespace, cfg: RunConfig | None = None) -> dict:
+    """Every recipe in `names` side by side in one pipeline run on the protocol's windows -> run_pipeline's dict."""
+    cfg = cfg or protocol_config(names, args)
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_pipeline(cfg, Path(tmp), log=print, show_progress=False)
+        return run_pipeline(cfg, Path(tmp), log=print, show_progress=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    add_protocol_args(ap)
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    args = ap.parse_args()
+    names = args.recipes.split(",")
+    out = run_protocol(names, args)
     summary = out["summary"]
     recipes = summary["evaluation"]["recipes"]
     print()

@@ -84,6 +84,23 @@ class TensorPolicy:
 
 
 @dataclass
+class CachePolicy:
+    name: str
+    layers: list[tuple[TensorPolicy, TensorPolicy]]   # (key, value) per layer
+    key_rope: str = "post"                            # keys quantized before or after RoPE
+    n_sink: int = 0                                   # first positions kept in full precision
+    residual: int = 0                                 # most recent positions kept in full precision
+    smooth: torch.Tensor | None = None                # [L, H_kv, D] SmoothAttention lambda (K / lambda stored)
+    prefix_len: int = 0                               # first positions are the prefix, kept in full precision
+    prefix_ids: torch.Tensor | None = None            # [P] token ids every sequence is served after
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_full_precision(self) -> bool:
+        return all(k.is_full_precision and v.is_full_precision for k, v in self.layers) and self.smooth is None
+
+
+@dataclass
 class Encoded:
     """One layer's K or V in the stored form (codes unpacked, one per uint8; see pack_codes for bytes)."""
     shape: tuple[int, int, int, int]                      # [B, H, T, D]
@@ -125,7 +142,7 @@ def _uniform(x: torch.Tensor, p: TensorPolicy) -> tuple[torch.Tensor, torch.Tens
     levels = 2 ** p.bits - 1
     if p.axis == "token":
         mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)             # [B, H, T, 1]
-        scale = (mx - mn) / levels
+        mn, scale = _fp16(mn), _fp16((mx - mn) / levels)
         q = torch.where(scale > 0, (x - mn) / torch.where(scale > 0, scale, 1), 0)
         return q.round().clamp(0, levels).to(torch.uint8), scale, mn
     b, h, t, d = x.shape
@@ -135,11 +152,16 @@ def _uniform(x: torch.Tensor, p: TensorPolicy) -> tuple[torch.Tensor, torch.Tens
     xp = torch.cat([x, x[:, :, -1:].expand(b, h, pad, d)], 2) if pad else x  # repeat the last row: no new range
     grouped = xp.view(b, h, n_groups, g, d)
     mn, mx = grouped.amin(3), grouped.amax(3)                                   # [B, H, G, D]
-    scale = (mx - mn) / levels
+    mn, scale = _fp16(mn), _fp16((mx - mn) / levels)
     safe = torch.where(scale > 0, scale, 1)
     q = torch.where(scale[:, :, :, None] > 0, (grouped - mn[:, :, :, None]) / safe[:, :, :, None], 0)
     codes = q.round().clamp(0, levels).to(torch.uint8).view(b, h, n_groups * g, d)[:, :, :t]
     return codes, scale, mn
+
+
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    """Per-token / per-group scales and zero-points are stored in fp16: compute codes with the stored values."""
+    return t.to(torch.float16).float()
 
 
 def _expand_groups(s: torch.Tensor, t: int, g: int) -> torch.Tensor:
@@ -176,7 +198,7 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
         zero, rng = p.zero.float()[None, :, None, :], p.range.float()[None, :, None, :]
     else:
         mn, mx = inlier.amin(-1, keepdim=True), inlier.amax(-1, keepdim=True)
-        zero, rng = (mx + mn) / 2, (mx - mn) / 2
+        zero, rng = _fp16((mx + mn) / 2), _fp16((mx - mn) / 2)
     xn = torch.where(rng > 0, (inlier - zero) / torch.where(rng > 0, rng, 1), 0).clamp(-1, 1)
     codes = _nearest_level(xn, p.codebook.float())
     scale = rng if p.axis == "token" else None
@@ -254,13 +276,15 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return codes.to(torch.uint8).view(*lead, d)
 
 
-SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_PTR_BITS = 16, 16, 32
-SCALE_BITS = 16
+SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_COUNT_BITS = 16, 16, 16
+SCALE_BITS = 16    # per-token / per-group scales and zero-points (fp16)
+STATIC_BITS = 32   # per-layer calibrated tensors, stored float32 in the artifact
 
 
 def encoded_bits(e: Encoded, p: TensorPolicy) -> int:
     """Bits this encoded tensor occupies per the ledger: codes, per-token/per-group scales and zero-points,
-    and sparse outliers (fp16 value + 16-bit index each, a 32-bit row pointer per token row)."""
+    and sparse outliers (fp16 value + 16-bit index within the token's row of H*D entries each, and a 16-bit
+    outlier count per token row)."""
     b, h, t, d = e.shape
     if p.format == "fp16":
         return b * h * t * d * 16
@@ -271,14 +295,11 @@ def encoded_bits(e: Encoded, p: TensorPolicy) -> int:
         if s is not None:
             bits += s.numel() * SCALE_BITS
     if p.outlier_fraction > 0:
-        bits += e.n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS) + b * t * SPARSE_ROW_PTR_BITS
+        bits += e.n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS) + b * t * SPARSE_ROW_COUNT_BITS
     return bits
 
 
 def static_bits(p: TensorPolicy) -> int:
     """Per-layer calibrated tensors a consumer loads once: codebook, static zero/range/bounds, fp8 scales."""
-    total = 0
-    for t in (p.codebook, p.zero, p.range, p.lower, p.upper, p.fp8_scale):
-        if t is not None:
-            total += t.numel() * (32 if t is p.fp8_scale else SCALE_BITS)
-    return total
+    return sum(t.numel() * STATIC_BITS for t in (p.codebook, p.zero, p.range, p.lower, p.upper, p.fp8_scale)
+               if t is not None)

@@ -1,13 +1,15 @@
 """One pipeline run: model + windows -> the stage graph -> results in the run directory.
 
 The graph: traces -> fisher -> (per outlier fraction) key_scales -> outliers -> codebooks -> evaluate.
+Smoothed recipes add traces -> smooth (their key stages fit K / lambda); prefix recipes add traces ->
+prefix_tokens -> traces-prefix -> fisher-prefix (their key stages fit the rows after the prefix).
 Stages are pure (stages/); this module only wires them, and the runner owns caching, timing and files.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -15,44 +17,72 @@ import torch
 from exporters.rope import apply_rope
 from pipeline.config import QuantConfig, RunConfig, load_recipe
 from pipeline.data import build_windows
+from exporters.native import update_manifest
+from pipeline import analysis
+from pipeline.export import export
 from pipeline.hashing import sha256_json
 from pipeline.model import LoadedModel, load_model
 from pipeline.runner import Runner, Stage, peak_rss_mb
-from stages import codebooks, evaluate, fisher, key_scales, outliers, policy, traces
+from stages import (codebooks, evaluate, fisher, key_scales, outliers, policy, prefix_tokens, smooth_attention,
+                    traces)
 from stages.base import StageResult
 from stages.evaluate import rope_tables
 
-CALIBRATION_STAGES = ("traces", "fisher", "key_scales", "outliers", "codebooks")
+class GateError(RuntimeError):
+    """The artifact crossed a drift-gate threshold; the message names the offending cells."""
+
+
+CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales", "outliers", "codebooks")
 
 
 @dataclass(frozen=True)
 class CalibGroup:
-    """Recipes that share key scales, outlier thresholds and codebooks."""
+    """Recipes that share key scales, outlier thresholds and codebooks. Smoothed recipes fit K / lambda; prefix
+    recipes fit rows of the traces taken with the prefix prepended, the prefix rows excluded."""
     fraction: float
     n_sink: int
     key_rope: str
+    smooth: bool = False
+    prefix: bool = False
 
     @property
     def suffix(self) -> str:
-        return f"f{self.fraction:g}-s{self.n_sink}-{self.key_rope}"
+        flags = ("-smooth" if self.smooth else "") + ("-prefix" if self.prefix else "")
+        return f"f{self.fraction:g}-s{self.n_sink}-{self.key_rope}{flags}"
+
+    @property
+    def traces(self) -> str:
+        return "traces-prefix" if self.prefix else "traces"
+
+    @property
+    def fisher(self) -> str:
+        return "fisher-prefix" if self.prefix else "fisher"
+
+    def n_sink_of(self, inp: dict[str, StageResult]) -> int:
+        """Rows excluded by position: the recipe's sinks, or the whole prefix (kept in full precision)."""
+        return max(self.n_sink, int(inp["prefix_tokens"].tensors["ids"].numel())) if self.prefix else self.n_sink
 
 
 def _group(q: QuantConfig) -> CalibGroup:
-    return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope)
+    return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope, q.smooth, q.prefix)
 
 
 def recipes_of(cfg: RunConfig) -> list[QuantConfig]:
     """The run's own recipe first, then the comparison recipes (by name, from conf/quant)."""
     out = [cfg.quant]
-    for name in cfg.eval.recipes:
-        if name != cfg.quant.name:
+    names = list(cfg.eval.recipes) + (list(cfg.layer_policy.options) if cfg.layer_policy.enabled else [])
+    for name in names:
+        if name not in [q.name for q in out]:
             out.append(load_recipe(name))
     return out
 
 
-def calibration_keys(res: StageResult, lm: LoadedModel, key_rope: str) -> torch.Tensor:
-    """Reservoir key rows in the space the recipe quantizes: pre-RoPE as recorded, or rotated to post-RoPE."""
+def calibration_keys(res: StageResult, lm: LoadedModel, key_rope: str, smooth: torch.Tensor | None = None) -> torch.Tensor:
+    """Reservoir key rows in the space the recipe quantizes: pre-RoPE as recorded, or rotated to post-RoPE;
+    divided by the SmoothAttention lambda [L, H, D] when given (RoPE pairs share lambda, so the order is free)."""
     k = res.tensors["res_k"]
+    if smooth is not None:
+        k = k / smooth[None]
     if key_rope == "pre":
         return k
     pos = res.tensors["res_pos"]
@@ -74,7 +104,8 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
     for q in calibrated:
         bits = groups.setdefault(_group(q), [])
         bits += [b for b in (q.key.bits, q.value.bits) if b not in bits]
-    if calibrated:
+    stages += _smooth_and_prefix_stages(cfg, lm, windows, recipes, groups)
+    if any(not g.prefix for g in groups):
         stages.append(Stage("fisher", lambda inp, pr: fisher.fit(
             lm.model, spec, windows.calib, inp["traces"].tensors["res_sample"], inp["traces"].tensors["res_pos"], pr),
             config={"loss": "causal-lm-sum"}, deps=["traces"], units=n_calib))
@@ -83,25 +114,32 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
         ks_cfg = key_scales.KeyScalesConfig(outlier_fraction=g.fraction, n_sink=g.n_sink)
         cb_cfg = codebooks.CodebookConfig(bits=sorted(bits), n_bins=cfg.codebooks.n_bins,
                                           lloyd_check=cfg.codebooks.lloyd_check)
+        extra = (["smooth"] if g.smooth else []) + (["prefix_tokens"] if g.prefix else [])
+
+        def keys_of(inp, g):
+            return calibration_keys(inp[g.traces], lm, g.key_rope, inp["smooth"].tensors["smooth"] if g.smooth else None)
 
         def fit_scales(inp, pr, g=g, ks_cfg=ks_cfg):
-            t = inp["traces"].tensors
-            return key_scales.fit(calibration_keys(inp["traces"], lm, g.key_rope), t["res_pos"], ks_cfg)
+            cfg_eff = key_scales.KeyScalesConfig(outlier_fraction=ks_cfg.outlier_fraction, n_sink=g.n_sink_of(inp))
+            return key_scales.fit(keys_of(inp, g), inp[g.traces].tensors["res_pos"], cfg_eff)
 
         def fit_outliers(inp, pr, g=g, ks=ks):
-            t, s = inp["traces"].tensors, inp[ks].tensors
-            return outliers.fit(calibration_keys(inp["traces"], lm, g.key_rope), t["res_v"], t["res_pos"],
-                                s["lower"], s["upper"], g.fraction, g.n_sink)
+            t, s = inp[g.traces].tensors, inp[ks].tensors
+            return outliers.fit(keys_of(inp, g), t["res_v"], t["res_pos"], s["lower"], s["upper"], g.fraction,
+                                g.n_sink_of(inp))
 
         def fit_codebooks(inp, pr, g=g, ks=ks, cb_cfg=cb_cfg):
-            t, f = inp["traces"].tensors, inp["fisher"].tensors
-            return codebooks.fit(calibration_keys(inp["traces"], lm, g.key_rope), t["res_v"], f["fisher_k"],
-                                 f["fisher_v"], t["res_pos"], inp[ks].tensors, g.fraction, g.n_sink, cb_cfg)
+            t, f = inp[g.traces].tensors, inp[g.fisher].tensors
+            fisher_k = f["fisher_k"]
+            if g.smooth:  # the stored element is k / lambda: dL/d(k / lambda) = lambda dL/dk
+                fisher_k = fisher_k * inp["smooth"].tensors["smooth"][None].square()
+            return codebooks.fit(keys_of(inp, g), t["res_v"], fisher_k, f["fisher_v"], t["res_pos"], inp[ks].tensors,
+                                 g.fraction, g.n_sink_of(inp), cb_cfg)
 
-        stages += [Stage(ks, fit_scales, ks_cfg, deps=["traces"]),
+        stages += [Stage(ks, fit_scales, ks_cfg, deps=[g.traces, *extra]),
                    Stage(ol, fit_outliers, {"fraction": g.fraction, "n_sink": g.n_sink, "rope": g.key_rope},
-                         deps=["traces", ks]),
-                   Stage(cb, fit_codebooks, cb_cfg, deps=["traces", "fisher", ks])]
+                         deps=[g.traces, ks, *extra]),
+                   Stage(cb, fit_codebooks, cb_cfg, deps=[g.traces, g.fisher, ks, *extra])]
     if cfg.eval.enabled:
         deps = [s.name for s in stages]
 
@@ -114,9 +152,45 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
     return stages
 
 
+def _smooth_and_prefix_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantConfig],
+                              groups: dict[CalibGroup, list[int]]) -> list[Stage]:
+    """smooth (lambda from the plain traces), prefix_tokens (discovered on the plain traces), and for calibrated
+    prefix recipes a second traces + fisher run on the calibration windows with the prefix prepended."""
+    spec, n_calib, out = lm.spec, windows.calib.shape[0], []
+    if any(q.smooth for q in recipes):
+        smooth_attention.validate(cfg.smooth)
+        out.append(Stage("smooth", lambda inp, pr: smooth_attention.fit(
+            inp["traces"].tensors["q_absmax"], inp["traces"].tensors["k_pre_absmax"], cfg.smooth, spec.rope_pairing),
+            config=cfg.smooth, deps=["traces"]))
+    if not any(q.prefix for q in recipes):
+        return out
+    prefix_tokens.validate(cfg.prefix, min(cfg.traces.down_top_k, windows.calib.shape[1]))
+    if spec.bos_token_id is None:
+        raise ValueError(f"quant.prefix=true: the tokenizer of model {spec.name} has no BOS token "
+                         f"(bos_token_id is None), and the prefix ends in BOS")
+    out.append(Stage("prefix_tokens", lambda inp, pr: prefix_tokens.fit(lm.model, spec, inp["traces"].tensors, cfg.prefix),
+                     config={**asdict(cfg.prefix), "tokenizer_sha256": spec.tokenizer_sha256}, deps=["traces"]))
+    if any(g.prefix for g in groups):
+        def served(inp):
+            return prefix_tokens.prepend(inp["prefix_tokens"].tensors["ids"], windows.calib)
+
+        out.append(Stage("traces-prefix", lambda inp, pr: traces.fit(lm.model, spec, served(inp), cfg.traces, pr),
+                         config=cfg.traces, deps=["prefix_tokens"], units=n_calib))
+        out.append(Stage("fisher-prefix", lambda inp, pr: fisher.fit(
+            lm.model, spec, served(inp), inp["traces-prefix"].tensors["res_sample"],
+            inp["traces-prefix"].tensors["res_pos"], pr),
+            config={"loss": "causal-lm-sum"}, deps=["prefix_tokens", "traces-prefix"], units=n_calib))
+    return out
+
+
 def calibration_tensors(q: QuantConfig, inp: dict[str, StageResult]) -> dict[str, torch.Tensor]:
     t = inp["traces"].tensors
     out = {"k_absmax": t["k_post_absmax"] if q.key_rope == "post" else t["k_pre_absmax"], "v_absmax": t["v_absmax"]}
+    if q.smooth:  # the cache holds K / lambda; lambda is per channel, so its abs-max divides exactly
+        out["smooth"] = inp["smooth"].tensors["smooth"]
+        out["k_absmax"] = out["k_absmax"] / out["smooth"]
+    if q.prefix:
+        out["prefix_ids"] = inp["prefix_tokens"].tensors["ids"]
     if policy.needs_calibration(q):
         suffix = _group(q).suffix
         out.update(inp[f"key_scales-{suffix}"].tensors)
@@ -151,10 +225,44 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     if "evaluate" in results:
         summary["evaluation"] = results["evaluate"].meta
     run_dir.mkdir(parents=True, exist_ok=True)
+    target = policy.build(cfg.quant, lm.spec.n_layers, calibration_tensors(cfg.quant, results))
+    if cfg.layer_policy.enabled:  # the artifact becomes the mixed per-layer policy
+        by_name = {q.name: q for q in recipes}
+        options = {n: policy.build(by_name[n], lm.spec.n_layers, calibration_tensors(by_name[n], results))
+                   for n in cfg.layer_policy.options}
+        target, summary["mixed"] = analysis.select_policy(cfg, lm, windows, runner, results, options)
+        summary["evaluation"]["recipes"][target.name] = summary["mixed"]["recipe"]
+    if "evaluate" in results:
+        summary["drift"] = analysis.drift(cfg, lm, windows, runner, results, target)
+    if cfg.export.enabled:
+        provenance = {"data": summary["data"],
+                      "stages": {r.name: {"cache_key": r.key, "config_sha256": r.config_sha256} for r in runner.records}}
+        summary.update(export(run_dir, target, lm.spec, provenance,
+                              summary.get("evaluation", {}).get("recipes", {}),
+                              lm.model.config.to_dict(), overwrite=cfg.export.overwrite))
+        if cfg.check.enabled:  # kernel vs oracle on the exported artifact; the manifest records the outcome
+            from runtime_check.check import run_check
+            summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
+        if "gate" in summary.get("drift", {}):
+            update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
+    if "evaluate" in results:
+        examples = analysis.changed_examples(lm, windows.eval[0], target)
+        summary["report"] = str(analysis.write_report(run_dir, summary, target, lm.spec, examples))
     tmp = run_dir / "summary.json.tmp"
     tmp.write_text(json.dumps(summary, indent=1, default=str))
     tmp.replace(run_dir / "summary.json")
     log(runner.table())
     if "evaluation" in summary:
         log(evaluate.table(summary["evaluation"]["recipes"]))
+    gate_result = summary.get("drift", {}).get("gate")
+    if gate_result:
+        log(f"drift gate: {'passed' if gate_result['passed'] else 'FAILED'}"
+            + "".join(f"\n  {f}" for f in gate_result["failures"]))
+    if summary.get("report"):
+        log(f"report: {summary['report']}")
+    if summary.get("runtime_check", {}).get("status") == "failed":  # after the manifest and summary record it
+        from runtime_check.check import RuntimeCheckError
+        raise RuntimeCheckError(summary["artifact_dir"], summary["runtime_check"])
+    if gate_result and not gate_result["passed"]:
+        raise GateError(f"drift gate failed for {target.name}: " + "; ".join(gate_result["failures"][:5]))
     return {"summary": summary, "results": results, "runner": runner, "model": lm, "windows": windows}

@@ -13,6 +13,7 @@ commands:
   show    DIR_OR_RUN_ID   print an artifact's or a run's summary and lineage
 """
 COMMANDS = ("run", "check", "show")
+EXIT_GATE = 4
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +32,39 @@ def main(argv: list[str] | None = None) -> None:
     if not rest:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
         sys.exit(2)
-    print(f"error: `{command}` is not available yet", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(_show(rest) if command == "show" else _check(rest))
+
+
+def _show(args: list[str]) -> int:
+    from exporters.manifest import ManifestError
+
+    target = args[0]
+    try:
+        if Path(target).is_dir():
+            from pipeline.show import show_artifact
+            print(show_artifact(target))
+            return 0
+        return _show_run(target, args[1:])
+    except ManifestError as exc:
+        print(f"error: {target}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _show_run(run_id: str, args: list[str]) -> int:
+    try:
+        from pipeline.tracking import show_run
+    except ImportError:
+        print(f"error: {run_id!r} is not an artifact folder", file=sys.stderr)
+        return 2
+    uri = next((a.split("=", 1)[1] for a in args if a.startswith("tracking.uri=")), "sqlite:///mlruns.db")
+    print(show_run(run_id, uri))
+    return 0
+
+
+def _check(args: list[str]) -> int:
+    """`check DIR [contexts=[..]] [batches=[..]]`: 0 passed, 1 failed, 2 refused (runtime_check/check.py)."""
+    from runtime_check.check import main as check_main
+    return check_main(args)
 
 
 def _hydra_run() -> None:
@@ -56,22 +88,32 @@ def _hydra_run() -> None:
 
 
 def run_from_dictconfig(cfg, run_dir: Path) -> int:
-    """Typed config -> pipeline run; user errors become one line on stderr and exit code 2."""
+    """Typed config -> pipeline run recorded in MLflow; user errors become one line on stderr and exit code 2,
+    an unreachable tracking store (results still written) exit code 3."""
     from omegaconf.errors import OmegaConfBaseException
 
     from pipeline.config import to_typed
     from pipeline.errors import UserError
+    from pipeline.tracking import EXIT_UNREACHABLE, TrackingError, tracked_run
+    from pipeline.app import GateError
     from stages.base import NonFiniteError
 
     try:
         typed = to_typed(cfg)
         from pipeline.app import run_pipeline
-        run_pipeline(typed, run_dir)
+        with tracked_run(typed, run_dir) as recorder:  # a stage that raises marks the MLflow run FAILED
+            recorder.record(run_pipeline(typed, run_dir))
     except OmegaConfBaseException as exc:
         print(f"error: invalid config: {exc}", file=sys.stderr)
         return 2
     except (UserError, NonFiniteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except TrackingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except GateError as exc:  # the artifact, summary and report are written; the run is marked failed
+        print(f"error: {exc}\nresults: {run_dir.resolve()}", file=sys.stderr)
+        return EXIT_GATE
     print(f"results: {run_dir.resolve()}")
     return 0

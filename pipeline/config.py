@@ -94,6 +94,22 @@ class TracesConfig:
 
 
 @dataclass
+class SmoothConfig:
+    """QServe SmoothAttention (stages/smooth_attention.py): lambda = max|K|^alpha / max|Q|^beta."""
+    alpha: float = 0.5
+    beta: float = 0.0
+
+
+@dataclass
+class PrefixConfig:
+    """PrefixQuant discovery + IntactKV prefix (stages/prefix_tokens.py). The prefix is `n` outlier token ids, then BOS.
+    The discovered n is truncated to max_tokens; an explicit n_tokens above max_tokens is an error."""
+    eta: float = 64.0           # outlier token: down_proj-input token max / the sample's median > eta
+    max_tokens: int = 4         # cap on n (BOS not counted); at most traces.down_top_k
+    n_tokens: int = -1          # -1: discover n from the traces; >= 0: use this many outlier tokens
+
+
+@dataclass
 class FisherConfig:
     enabled: bool = True
 
@@ -112,11 +128,63 @@ class EvalConfig:
 
 
 @dataclass
-class TrackingConfig:
+class SensitivityConfig:
     enabled: bool = True
-    uri: str = "sqlite:///mlruns.db"
+    n_windows: int = 1
+    buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
+    variants: list[str] = field(default_factory=lambda: ["k", "v", "kv"])
+
+
+@dataclass
+class ProbeConfig:
+    enabled: bool = True
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    seed: int = 0
+
+
+@dataclass
+class GateConfig:
+    enabled: bool = True
+    max_ppl_ratio: float = 1.05        # recipe perplexity / fp16 perplexity
+    max_cell_kl: float = 0.05          # layer x position map: next-token KL with one layer quantized
+    min_cell_cos: float = 0.95         # layer x position map: attention-output cosine similarity
+    min_passkey_ratio: float = 1.0     # passkey accuracy / fp16 passkey accuracy
+
+
+@dataclass
+class LayerPolicyConfig:
+    """Mixed precision per layer under an average-bits budget (stages/layer_policy.py)."""
+    enabled: bool = False
+    budget: float = 3.0
+    options: list[str] = field(default_factory=lambda: ["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"])
+    n_windows: int = 1          # calibration windows for the per-layer sensitivity of each option
+
+
+@dataclass
+class ExportConfig:
+    enabled: bool = True
+    overwrite: bool = False     # an existing artifact folder is never replaced unless asked
+
+
+@dataclass
+class CheckConfig:
+    """The runtime check after export (runtime_check/check.py): Triton kernel vs oracle on real K/V."""
+    enabled: bool = True
+    contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
+    batches: list[int] = field(default_factory=lambda: [1, 2])
+    gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow provenance (pipeline/tracking.py). `enabled=false`: no MLflow at all."""
+    enabled: bool = True
+    uri: str = "sqlite:///mlruns.db"  # sqlite:///FILE (artifacts in ./mlruns) | http(s)://HOST:PORT (a server)
     experiment: str = "kvcalib"
-    required: bool = True
+    required: bool = True             # store unreachable: results are written, then exit 3 (false: warn, exit 0)
+    run_name: str = ""                # "" -> <model>-<quant>-<YYYYmmdd-HHMMSS>; sweep jobs: their swept overrides
+    probe_timeout_s: int = 5          # the first request, made without retries, gives up after this
 
 
 @dataclass
@@ -126,9 +194,17 @@ class RunConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     traces: TracesConfig = field(default_factory=TracesConfig)
     fisher: FisherConfig = field(default_factory=FisherConfig)
+    smooth: SmoothConfig = field(default_factory=SmoothConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     codebooks: CodebookConfig = field(default_factory=CodebookConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    sensitivity: SensitivityConfig = field(default_factory=SensitivityConfig)
+    probes: ProbeConfig = field(default_factory=ProbeConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    layer_policy: LayerPolicyConfig = field(default_factory=LayerPolicyConfig)
     cache_dir: str = ".kvcalib_cache"
     command: str = "run"
     target: str = ""            # DIR or RUN_ID for `show` / `check`

@@ -24,5 +24,5 @@ def sha256_json(obj: Any) -> str:
 def sha256_tensor(t: torch.Tensor) -> str:
     t = t.detach().contiguous().cpu()
     h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")  # reshape: 0-d scalars too
     return h.hexdigest()

@@ -45,6 +45,7 @@ class StageRecord:
     status: str                        # "computed" | "cached"
     wall_s: float
     peak_rss_mb: float
+    config_sha256: str = ""
 
 
 class _RssSampler:
@@ -74,9 +75,17 @@ def _jsonable(config: Any) -> Any:
     return asdict(config) if is_dataclass(config) else config
 
 
-def cache_key(stage: Stage, dep_keys: list[str], model_id: str, data_id: str) -> str:
+def code_identity() -> str:
+    """sha256 over the sources of the code that computes stage results: an edit invalidates every entry, so a
+    cache hit never returns what an older version of the code computed."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(p for pkg in ("stages", "exporters") for p in (root / pkg).rglob("*.py"))
+    return sha256_json({str(p.relative_to(root)): sha256_file(p) for p in files})
+
+
+def cache_key(stage: Stage, dep_keys: list[str], model_id: str, data_id: str, code_id: str = "") -> str:
     return sha256_json({"stage": stage.name, "version": stage.version, "config": _jsonable(stage.config),
-                        "deps": dep_keys, "model": model_id, "data": data_id})[:32]
+                        "deps": dep_keys, "model": model_id, "data": data_id, "code": code_id})[:32]
 
 
 class StageCache:
@@ -132,18 +141,20 @@ class Runner:
         self.log, self.show_progress = log, show_progress
         self.records: list[StageRecord] = []
         self.keys: dict[str, str] = {}
+        self.code_id = code_identity()
 
-    def run(self, stages: list[Stage]) -> dict[str, StageResult]:
+    def run(self, stages: list[Stage], given: dict[str, StageResult] | None = None) -> dict[str, StageResult]:
+        """Run stages in order; `given` are results of an earlier call on this runner that stages may depend on."""
         removed = self.cache.clean_temporaries()
         if removed:
             self.log(f"removed {removed} unfinished cache entr{'y' if removed == 1 else 'ies'} from an interrupted run")
         names = [s.name for s in stages]
-        results: dict[str, StageResult] = {}
+        results: dict[str, StageResult] = dict(given or {})
         for stage in stages:
             missing = [d for d in stage.deps if d not in results]
             if missing:
                 raise ValueError(f"stage {stage.name!r} depends on {missing}, which are not before it in {names}")
-            key = cache_key(stage, [self.keys[d] for d in stage.deps], self.model_id, self.data_id)
+            key = cache_key(stage, [self.keys[d] for d in stage.deps], self.model_id, self.data_id, self.code_id)
             self.keys[stage.name] = key
             start = time.perf_counter()
             with _RssSampler() as rss:
@@ -154,11 +165,12 @@ class Runner:
                     if stage.cache:
                         self.cache.store(stage.name, key, result)
             wall = time.perf_counter() - start
-            self.records.append(StageRecord(stage.name, key, status, wall, rss.peak / 2**20))
+            self.records.append(StageRecord(stage.name, key, status, wall, rss.peak / 2**20,
+                                            sha256_json(_jsonable(stage.config))))
             self.log(f"stage {stage.name}: {'reused cache entry' if status == 'cached' else 'computed'} "
                      f"{key[:12]} ({wall:.1f} s)")
             results[stage.name] = result
-        return results
+        return {name: res for name, res in results.items() if name in names}
 
     def _compute(self, stage: Stage, inputs: dict[str, StageResult]) -> StageResult:
         with tqdm(total=stage.units, desc=stage.name, disable=not self.show_progress, leave=False) as bar:

@@ -21,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import csv
 import datetime as dt
+import getpass
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -47,6 +49,7 @@ PROJECT_ROOT = Path(pipeline.__file__).resolve().parent.parent
 # once the store answered, a request may be retried (backoff 2 s, 4 s, 8 s) before the run gives up
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
 _MAX_TAG_CHARS = 5000
+_FOLDER_KEYS = ("artifact_dir", "compressed_tensors_dir")  # exported folders, logged whole under their names
 
 Warn = Callable[[str], None]
 
@@ -88,7 +91,7 @@ def connect(uri: str, timeout_s: int = 5):
         with _environ(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(timeout_s)):
             client.search_experiments(max_results=1)
     except Exception as exc:  # connection refused, timeout, HTTP error, bad sqlite path: all say the same
-        raise TrackingError(f"MLflow tracking store {uri} is unreachable ({_short(exc)})") from exc
+        raise TrackingError(f"MLflow tracking store {uri} is unreachable ({_reason(exc)})") from exc
     for key, value in _HTTP_DEFAULTS.items():
         os.environ.setdefault(key, value)
     return client
@@ -99,13 +102,29 @@ def _short(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _redact(uri: str) -> str:
+    """http://user:secret@host -> http://***@host: credentials never become a param."""
+    return re.sub(r"//[^/@]+@", "//***@", uri)
+
+
+def _reason(exc: BaseException) -> str:
+    """The root cause inside MLflow's wrapped HTTP errors ("[Errno 111] Connection refused", "timed out")."""
+    text = str(exc)
+    errno = re.search(r"\[Errno -?\d+\][^\"')]*", text)
+    if errno:
+        return errno.group(0).strip()
+    if "timed out" in text.lower():
+        return "no answer: the request timed out"
+    return _short(exc)
+
+
 def experiment_id(client, name: str) -> str:
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        try:
-            return client.create_experiment(name)
+        try:  # the kind makes MLflow 3's UI list the runs as model development, not GenAI evaluations
+            return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
         except MlflowException:  # created by a concurrent job of the same sweep
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -129,6 +148,13 @@ def git_state(root: Path = PROJECT_ROOT) -> tuple[str, bool | None]:
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
     return sha, dirty
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no login name in a bare container
+        return "unknown"
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
@@ -157,7 +183,7 @@ def summary_metrics(summary: dict) -> dict[str, float]:
     for stage in summary.get("stages", []):
         metrics[f"stage.{stage['name']}.wall_s"] = float(stage["wall_s"])
         metrics[f"stage.{stage['name']}.peak_rss_mb"] = float(stage["peak_rss_mb"])
-    for key in ("wall_s", "peak_rss_mb"):
+    for key in ("wall_s", "calib_wall_s", "peak_rss_mb"):
         if _number(summary.get(key)):
             metrics[f"run.{key}"] = float(summary[key])
     for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
@@ -174,7 +200,8 @@ def summary_tags(summary: dict) -> dict[str, str]:
             "tokenizer_sha256": model.get("tokenizer_sha256"), "data_description": data.get("description"),
             "calib_sha256": data.get("calib_sha256"), "eval_sha256": data.get("eval_sha256"),
             "manifest_sha256": manifest.get("sha256"), "manifest_format_version": manifest.get("format_version"),
-            "runtime_check_status": check.get("status"), "artifact_dir": summary.get("artifact_dir")}
+            "runtime_check_status": check.get("status"), "artifact_dir": summary.get("artifact_dir"),
+            "stages": ",".join(stage["name"] for stage in summary.get("stages", [])) or None}
     for stage in summary.get("stages", []):
         tags[f"stage.{stage['name']}.status"] = stage["status"]
         tags[f"stage.{stage['name']}.key"] = stage["key"]
@@ -244,7 +271,7 @@ class RunRecorder:
         self.warn, self.log = warn, log
         self.client = None
         self.run_id: str | None = None
-        self.unreachable: str | None = None  # why the run could not be opened
+        self.problem: str | None = None  # why the store could not open or close the run
 
     def start(self) -> None:
         try:
@@ -253,15 +280,16 @@ class RunRecorder:
             run = self.client.create_run(exp_id, run_name=self._run_name(), tags=self._start_tags())
             self.run_id = run.info.run_id
             params = flatten(asdict(self.cfg))
+            params["tracking.uri"] = _redact(params["tracking.uri"])
             self._log_batch(params=params)
         except Exception as exc:
-            self.unreachable = str(exc) if isinstance(exc, TrackingError) else \
+            self.problem = str(exc) if isinstance(exc, TrackingError) else \
                 f"MLflow tracking store {self.tcfg.uri} failed ({_short(exc)})"
             if self.run_id is not None:
-                self._terminate("FAILED", f"tracking: {self.unreachable}")
+                self._terminate("FAILED", f"tracking: {self.problem}")
                 self.run_id = None
             then = "exits non-zero afterwards" if self.tcfg.required else "goes on without tracking"
-            self.warn(f"warning: {self.unreachable}; the pipeline still runs and {then} "
+            self.warn(f"warning: {self.problem}; the pipeline still runs and {then} "
                       f"(tracking.required={str(self.tcfg.required).lower()})")
             return
         self.log(f"mlflow: run {self.run_id} in experiment {self.tcfg.experiment!r} at {self.tcfg.uri}")
@@ -278,7 +306,8 @@ class RunRecorder:
         tags = {"git_sha": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
                 "kvcalib_version": pipeline.__version__, "run_dir": str(self.run_dir.resolve()),
                 "overrides": " ".join(_overrides(self.run_dir)), "quant_name": self.cfg.quant.name,
-                "mlflow.source.name": "python -m pipeline run", "mlflow.source.type": "LOCAL"}
+                "mlflow.source.name": "python -m pipeline run", "mlflow.source.type": "LOCAL",
+                "mlflow.user": _user()}
         if sha != "unknown":
             tags["mlflow.source.git.commit"] = sha
         if os.environ.get(ENV_PARENT_RUN):
@@ -286,34 +315,45 @@ class RunRecorder:
         return tags
 
     def record(self, out: dict) -> None:
-        """Metrics, tags and artifacts of a finished pipeline run (`run_pipeline`'s return value)."""
+        """Metrics, tags and artifacts of a finished pipeline run (`run_pipeline`'s return value).
+
+        Files and plots are made first, so a bug there is raised as itself (and the run marked FAILED by
+        `tracked_run`); only the calls to the store are reported as a tracking failure."""
         if self.run_id is None:
             return
         summary = out["summary"]
-        try:
-            self._log_batch(metrics=summary_metrics(summary), tags=summary_tags(summary))
-            with tempfile.TemporaryDirectory(prefix="kvcalib-mlflow-") as tmp:
-                _write_artifacts(out, self.cfg, self.run_dir, Path(tmp))
+        metrics, tags = summary_metrics(summary), summary_tags(summary)
+        folders = [Path(summary[k]) for k in _FOLDER_KEYS if summary.get(k)]
+        missing = [str(f) for f in folders if not f.is_dir()]
+        if missing:
+            raise ValueError(f"summary names exported folders that do not exist: {missing}")
+        with tempfile.TemporaryDirectory(prefix="kvcalib-mlflow-") as tmp:
+            _write_artifacts(out, self.cfg, self.run_dir, Path(tmp))
+            try:
+                self._log_batch(metrics=metrics, tags=tags)
                 self.client.log_artifacts(self.run_id, tmp)
-            if summary.get("artifact_dir"):
-                folder = Path(summary["artifact_dir"])
-                self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
-        except Exception as exc:
-            message = f"could not record the run in MLflow tracking store {self.tcfg.uri} ({_short(exc)})"
-            self._terminate("FAILED", f"tracking: {message}")
-            self.run_id = None
-            if self.tcfg.required:
-                raise TrackingError(f"{message}; results are complete in {self.run_dir.resolve()}") from exc
-            self.warn(f"warning: {message}; results are complete in {self.run_dir.resolve()}")
+                for folder in folders:
+                    self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
+            except Exception as exc:
+                self._store_failed(exc)
 
-    def _log_batch(self, metrics: dict[str, float] = {}, params: dict[str, str] = {},
-                   tags: dict[str, str] = {}) -> None:
+    def _store_failed(self, exc: Exception) -> None:
+        message = f"could not record the run in MLflow tracking store {self.tcfg.uri} ({_reason(exc)})"
+        self._terminate("FAILED", f"tracking: {message}")
+        self.run_id = None
+        where = f"results are complete in {self.run_dir.resolve()}"
+        if self.tcfg.required:
+            raise TrackingError(f"{message}; {where}") from exc
+        self.warn(f"warning: {message}; {where}")
+
+    def _log_batch(self, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
+                   tags: dict[str, str] | None = None) -> None:
         from mlflow.entities import Metric, Param, RunTag
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics.items()],
-                              params=[Param(k, v) for k, v in params.items()],
-                              tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, 0) for k, v in (metrics or {}).items()],
+                              params=[Param(k, v) for k, v in (params or {}).items()],
+                              tags=[RunTag(k, v) for k, v in (tags or {}).items()])
 
     def fail(self, exc: BaseException) -> None:
         if self.run_id is None:
@@ -340,9 +380,10 @@ class RunRecorder:
             try:
                 self.client.set_terminated(self.run_id, "FINISHED")
             except Exception as exc:
-                self.unreachable = f"MLflow run {self.run_id} could not be closed in {self.tcfg.uri} ({_short(exc)})"
-        if self.unreachable and self.tcfg.required:
-            raise TrackingError(f"{self.unreachable}; the results are complete in {self.run_dir.resolve()} but "
+                self.problem = f"MLflow run {self.run_id} could not be closed in {self.tcfg.uri} ({_reason(exc)})"
+                self.warn(f"warning: {self.problem}")
+        if self.problem and self.tcfg.required:
+            raise TrackingError(f"{self.problem}; the results are complete in {self.run_dir.resolve()} but "
                                 f"were not recorded (tracking.required=false goes on without MLflow)")
 
 
@@ -424,6 +465,8 @@ class SweepCallback(Callback):
         self._close(aborted=False)
 
     def _close(self, aborted: bool) -> None:
+        """Every job is over: a child still RUNNING lost its process (KILLED); the parent is FINISHED only
+        when the sweep ran to its end and every child finished."""
         if self.parent_run_id is None:
             return
         run_id, self.parent_run_id = self.parent_run_id, None
@@ -432,23 +475,20 @@ class SweepCallback(Callback):
             parent = client.get_run(run_id)
             children = client.search_runs([parent.info.experiment_id],
                                           filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
-            finished = [c for c in children if c.info.status == "FINISHED"]
-            ok = not aborted and children and len(finished) == len(children)
-            client.log_metrics = None  # noqa: the parent carries counts, not per-job numbers
-            client.log_batch(run_id, metrics=_counts(len(children), len(finished)))
+            for child in children:
+                if child.info.status == "RUNNING":
+                    client.set_tag(child.info.run_id, "error", "the sweep ended before this job finished")
+                    client.set_terminated(child.info.run_id, "KILLED")
+            n_done = sum(c.info.status == "FINISHED" for c in children)
+            ok = not aborted and children and n_done == len(children)
+            client.log_metric(run_id, "sweep.n_jobs", len(children))
+            client.log_metric(run_id, "sweep.n_finished", n_done)
             if not ok:
-                client.set_tag(run_id, "error", "the sweep was aborted" if aborted else
-                               f"{len(children) - len(finished)} of {len(children)} jobs did not finish")
+                client.set_tag(run_id, "error", "a job aborted the sweep" if aborted else
+                               f"{len(children) - n_done} of {len(children)} jobs did not finish")
             client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
         except Exception as exc:
             _stderr(f"warning: the sweep's parent MLflow run {run_id} could not be closed: {_short(exc)}")
-
-
-def _counts(n_jobs: int, n_finished: int) -> list:
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    return [Metric("sweep.n_jobs", n_jobs, now, 0), Metric("sweep.n_finished", n_finished, now, 0)]
 
 
 def _key(override: str) -> str:
@@ -464,10 +504,6 @@ def _swept_keys(overrides: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- show
 
-def looks_like_run_id(text: str) -> bool:
-    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
-
-
 def show_run(run_id: str, tracking_uri: str) -> str:
     """The lineage of a recorded run, read back from MLflow: code, model, data, config, stages, results."""
     from mlflow.exceptions import MlflowException
@@ -478,54 +514,68 @@ def show_run(run_id: str, tracking_uri: str) -> str:
     except MlflowException as exc:
         raise UserError(f"no MLflow run {run_id} in {tracking_uri} ({_short(exc, 120)}); "
                         f"pass tracking.uri=... for another store") from exc
-    info, params, tags, metrics = run.info, run.data.params, run.data.tags, run.data.metrics
-    exp = client.get_experiment(info.experiment_id)
+    experiment = client.get_experiment(run.info.experiment_id).name
+    p, t, m = run.data.params, run.data.tags, run.data.metrics
+    return "\n".join([*_show_header(run.info, t, experiment, tracking_uri), *_show_inputs(p, t),
+                      *_show_results(t, m)])
+
+
+def _show_header(info, t: dict, experiment: str, uri: str) -> list[str]:
+    took = f", took {(info.end_time - info.start_time) / 1000:.1f} s" if info.end_time else ""
     lines = [f"MLflow run {info.run_id} {info.run_name!r}: {info.status}",
-             f"  store       {tracking_uri}, experiment {exp.name!r} ({info.experiment_id})",
-             f"  started     {_when(info.start_time)}" + (f", took {(info.end_time - info.start_time) / 1000:.1f} s"
-                                                        if info.end_time else "")]
-    if "mlflow.parentRunId" in tags:
-        lines.append(f"  sweep       child of run {tags['mlflow.parentRunId']}")
-    if "error" in tags:
-        lines.append(f"  error       {tags['error']}")
-    dirty = {"true": " (with uncommitted changes)", "false": ""}.get(tags.get("git_dirty", ""), "")
-    lines += ["code", f"  kvcalib {tags.get('kvcalib_version', '?')}, git {tags.get('git_sha', 'unknown')}{dirty}",
-              f"  command     {tags.get('mlflow.source.name', 'python -m pipeline run')} {tags.get('overrides', '')}".rstrip(),
-              f"  run dir     {tags.get('run_dir', '?')}"]
-    lines += ["model", f"  {params.get('model.name', '?')} (source {params.get('model.source', '?')}"
-              + (f", path {params['model.path']}" if params.get("model.path") else "") + ")",
-              f"  model sha256      {tags.get('model_sha256', '-')}",
-              f"  tokenizer sha256  {tags.get('tokenizer_sha256', '-')}"]
-    lines += ["data", f"  {tags.get('data_description', params.get('data.source', '?'))}",
-              f"  calibration {params.get('data.n_samples', '?')} x {params.get('data.seq_len', '?')} tokens, "
-              f"seed {params.get('data.seed', '?')}, sha256 {tags.get('calib_sha256', '-')}",
-              f"  evaluation  {params.get('data.eval_n_samples', '?')} x {params.get('data.eval_seq_len', '?')} "
-              f"tokens, sha256 {tags.get('eval_sha256', '-')}"]
-    quant = {k[len("quant."):]: v for k, v in params.items() if k.startswith("quant.")}
-    lines += ["config", f"  quant       " + " ".join(f"{k}={v}" for k, v in sorted(quant.items())),
-              f"  stages      {params.get('stages', '?')}",
-              f"  {len(params)} params; the resolved config is the run's artifact config/config.yaml"]
-    stage_names = sorted({k.split(".")[1] for k in tags if k.startswith("stage.") and k.endswith(".key")})
-    if stage_names:
+             f"  store       {uri}, experiment {experiment!r} ({info.experiment_id})",
+             f"  started     {_when(info.start_time)}{took}"]
+    if "mlflow.parentRunId" in t:
+        lines.append(f"  sweep       child of run {t['mlflow.parentRunId']}")
+    if "error" in t:
+        lines.append(f"  error       {t['error']}")
+    return lines
+
+
+def _show_inputs(p: dict, t: dict) -> list[str]:
+    """What produced the run: code, model, data, config."""
+    dirty = {"true": " (with uncommitted changes)", "false": ""}.get(t.get("git_dirty", ""), "")
+    path = f", path {p['model.path']}" if p.get("model.path") else ""
+    quant = " ".join(f"{k[len('quant.'):]}={v}" for k, v in sorted(p.items()) if k.startswith("quant."))
+    return ["code", f"  kvcalib {t.get('kvcalib_version', '?')}, git {t.get('git_sha', 'unknown')}{dirty}",
+            f"  command     {t.get('mlflow.source.name', '?')} {t.get('overrides', '')}".rstrip(),
+            f"  run dir     {t.get('run_dir', '?')}",
+            "model", f"  {p.get('model.name', '?')} (source {p.get('model.source', '?')}{path})",
+            f"  model sha256      {t.get('model_sha256', '-')}",
+            f"  tokenizer sha256  {t.get('tokenizer_sha256', '-')}",
+            "data", f"  {t.get('data_description', p.get('data.source', '?'))}",
+            f"  calibration {p.get('data.n_samples', '?')} x {p.get('data.seq_len', '?')} tokens, "
+            f"seed {p.get('data.seed', '?')}, sha256 {t.get('calib_sha256', '-')}",
+            f"  evaluation  {p.get('data.eval_n_samples', '?')} x {p.get('data.eval_seq_len', '?')} tokens, "
+            f"sha256 {t.get('eval_sha256', '-')}",
+            "config", f"  quant       {quant}",
+            f"  {len(p)} params; the resolved config is the run's artifact config/config.yaml"]
+
+
+def _show_results(t: dict, m: dict) -> list[str]:
+    """What the run computed: stages, evaluation, runtime check, exported artifact."""
+    lines = []
+    stages = [s for s in t.get("stages", "").split(",") if f"stage.{s}.key" in t]
+    if stages:
         lines.append("stages")
-        lines += [f"  {s:<16} {tags.get(f'stage.{s}.status', '?'):<9} key {tags[f'stage.{s}.key'][:12]}  "
-                  f"{metrics.get(f'stage.{s}.wall_s', float('nan')):.1f} s  "
-                  f"{metrics.get(f'stage.{s}.peak_rss_mb', float('nan')):.0f} MB" for s in stage_names]
-    recipes = sorted({k.split(".")[1] for k in metrics if k.startswith("eval.")})
+        lines += [f"  {s:<24} {t.get(f'stage.{s}.status', '?'):<9} key {t[f'stage.{s}.key'][:12]}  "
+                  f"{m.get(f'stage.{s}.wall_s', float('nan')):7.1f} s  "
+                  f"{m.get(f'stage.{s}.peak_rss_mb', float('nan')):6.0f} MB" for s in stages]
+    recipes = sorted({k[len("eval."):k.rindex(".")] for k in m if k.startswith("eval.")})
     if recipes:
         lines.append("evaluation")
-        lines += ["  " + f"{r:<14}" + "  ".join(f"{c} {metrics[f'eval.{r}.{c}']:.4g}"
-                                                for c in ("avg_bits", "ppl", "kl", "top1") if f"eval.{r}.{c}" in metrics)
-                  for r in recipes]
-    if "runtime_check_status" in tags:
-        errs = "  ".join(f"{k[len('runtime_check.'):]} {v:.3g}" for k, v in sorted(metrics.items())
-                         if k.startswith("runtime_check."))
-        lines += ["runtime check", f"  {tags['runtime_check_status']}  {errs}".rstrip()]
-    if "manifest_sha256" in tags or "artifact_dir" in tags:
-        lines += ["artifact", f"  {tags.get('artifact_dir', '-')}",
-                  f"  manifest sha256 {tags.get('manifest_sha256', '-')}, "
-                  f"format version {tags.get('manifest_format_version', '-')}"]
-    return "\n".join(lines)
+        lines += [f"  {r:<24}" + "  ".join(f"{c} {m[f'eval.{r}.{c}']:.4g}" for c in ("avg_bits", "ppl", "kl", "top1")
+                                         if f"eval.{r}.{c}" in m) for r in recipes]
+    if "runtime_check_status" in t:
+        errors = "  ".join(f"{k[len('runtime_check.'):]} {v:.3g}" for k, v in sorted(m.items())
+                           if k.startswith("runtime_check."))
+        lines += ["runtime check", f"  {t['runtime_check_status']}  {errors}".rstrip()]
+    if "artifact_dir" in t or "manifest_sha256" in t:
+        name = Path(t["artifact_dir"]).name if "artifact_dir" in t else "-"
+        lines += ["artifact", f"  {t.get('artifact_dir', '-')} (the run's artifact {name}/)",
+                  f"  manifest sha256 {t.get('manifest_sha256', '-')}, format version "
+                  f"{t.get('manifest_format_version', '-')}"]
+    return lines
 
 
 def _when(ms: int | None) -> str:
@@ -534,6 +584,5 @@ def _when(ms: int | None) -> str:
     return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-__all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run",
-           "looks_like_run_id", "flatten", "summary_metrics", "summary_tags", "evaluation_table", "git_state",
-           "EXIT_UNREACHABLE", "ENV_PARENT_RUN"]
+__all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run", "flatten",
+           "summary_metrics", "summary_tags", "evaluation_table", "git_state", "EXIT_UNREACHABLE", "ENV_PARENT_RUN"]

@@ -1,30 +1,12 @@
 """A recipe (conf/quant) plus calibration results -> the per-layer cache policy that evaluation and export use."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from exporters.codec import CodecError, TensorPolicy, fp8_scale_from_amax
+from exporters.codec import CachePolicy, CodecError, TensorPolicy, fp8_scale_from_amax
 from pipeline.config import QuantConfig, TensorQuantConfig
 
 KEY_ROPE = ("pre", "post")
-
-
-@dataclass
-class CachePolicy:
-    name: str
-    layers: list[tuple[TensorPolicy, TensorPolicy]]   # (key, value) per layer
-    key_rope: str = "post"                            # keys quantized before or after RoPE
-    n_sink: int = 0                                   # first positions kept in full precision
-    residual: int = 0                                 # most recent positions kept in full precision
-    smooth: torch.Tensor | None = None                # [L, H_kv, D] SmoothAttention lambda (K / lambda stored)
-    prefix_len: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def is_full_precision(self) -> bool:
-        return all(k.is_full_precision and v.is_full_precision for k, v in self.layers) and self.smooth is None
 
 
 def needs_calibration(q: QuantConfig) -> bool:
@@ -61,8 +43,15 @@ def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> 
 
 def build(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) -> CachePolicy:
     """calib: tensors by name -- k_absmax / v_absmax [L, H, D] (fp8), zero / range / lower / upper [L, H, D]
-    (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq). Only what the recipe uses must be present."""
+    (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq), smooth [L, H, D] (quant.smooth), prefix_ids [P]
+    (quant.prefix). Only what the recipe uses must be present."""
     _validate_recipe(q)
     layers = [(_tensor_policy(q.key, i, "k", calib), _tensor_policy(q.value, i, "v", calib)) for i in range(n_layers)]
+    for flag, name in ((q.smooth, "smooth"), (q.prefix, "prefix_ids")):
+        if flag and name not in calib:
+            raise CodecError(f"recipe {q.name}: quant.{'smooth' if name == 'smooth' else 'prefix'}=true needs the "
+                             f"calibrated {name!r} tensor")
+    prefix = calib.get("prefix_ids") if q.prefix else None
     return CachePolicy(name=q.name, layers=layers, key_rope=q.key_rope, n_sink=q.n_sink, residual=q.residual,
-                       smooth=calib.get("smooth"))
+                       smooth=calib["smooth"] if q.smooth else None, prefix_ids=prefix,
+                       prefix_len=0 if prefix is None else int(prefix.numel()))

@@ -135,7 +135,7 @@ def test_ledger_hand_checked():
     assert encoded_bits(e, p) == 8 * 4 + 2 * 2 * 16  # codes + (scale, zero) per token in fp16
     book = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0]),
                         zero=torch.zeros(1, 4), range=torch.ones(1, 4))
-    assert static_bits(book) == 4 * 16 + 4 * 16 + 4 * 16
+    assert static_bits(book) == (4 + 4 + 4) * 32  # float32 codebook, zero and range
 
 
 @pytest.mark.parametrize("policy,pattern", [

@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
-        "tracking.enabled=false", "traces.reservoir_size=16"]
+        "tracking.enabled=false", "traces.reservoir_size=16", "probes.lengths=[64]"]
 
 
 def _run(args, tmp_path, timeout=600):
@@ -56,7 +56,8 @@ def test_llama3_without_weights_is_a_short_message(tmp_path):
 @pytest.mark.slow
 def test_embedded_model_end_to_end(tmp_path):
     out = _run(["run", "data.n_samples=2", "data.seq_len=128", "data.eval_n_samples=1", "data.eval_seq_len=128",
-                "tracking.enabled=false"], tmp_path)
+                "tracking.enabled=false", "probes.lengths=[128]", "sensitivity.variants=[kv]", "traces.reservoir_size=256",
+                "check.contexts=[64]", "check.batches=[1]"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     results = Path(out.stdout.strip().splitlines()[-1].removeprefix("results: "))
     summary = json.loads((results / "summary.json").read_text())

@@ -1,0 +1,95 @@
+"""Serving from an artifact in a fresh process: greedy token agreement, passkey retrieval, cache bytes.
+
+python -m bench.serve --artifact DIR --json PATH
+
+- token agreement: 8 prompts of 512 tokens of wikitext-2 test.txt (after the 16 x 1024 evaluation windows),
+  128 greedy new tokens with the artifact's cache vs a full-precision DynamicCache; the fraction of positions
+  whose token is equal;
+- passkey: a 5-digit number planted at depths 10/30/50/70/90 % of ~1k / 2k / 4k tokens of filler;
+- cache bytes at 1k / 4k / 8k tokens of test.txt: measured (sum of the cache's tensors' nbytes), predicted by
+  the ledger from the manifest, and a full-precision cache counted at fp16 (2 bytes per element).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from transformers import DynamicCache
+
+from bench.common import wikitext_dir, write_json
+from exporters.ledger import expected_outliers, predict_bytes
+from exporters.native import load_artifact
+from pipeline.config import ModelConfig
+from pipeline.data import _read_text, tokenize
+from pipeline.model import load_model
+from runtime_check.cache import ArtifactCache
+from stages.probes import passkey_prompt
+
+def fill(model, cache, ids: torch.Tensor, chunk: int = 1024) -> None:
+    with torch.no_grad():
+        for s in range(0, ids.shape[1], chunk):
+            model(ids[:, s : s + chunk], cache=cache, use_cache=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--lengths", default="1024,4096,8192")
+    ap.add_argument("--passkey-lengths", default="1024,2048,4096")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    lm = load_model(ModelConfig())
+    art = load_artifact(args.artifact, lm.spec)  # strict: refuses an artifact made for another model
+    policy, spec = art.policy, lm.spec
+    model, tok = lm.model, lm.tokenizer
+    ids = tokenize(tok, _read_text(wikitext_dir() / "test.txt", "text"))
+
+    agree, total = 0, 0
+    for i in range(args.prompts):
+        s = 16 * 1024 + i * 512
+        prompt = ids[None, s : s + 512]
+        ref = greedy(model, prompt, args.new_tokens, DynamicCache(config=model.config))
+        got = greedy(model, prompt, args.new_tokens, ArtifactCache(policy, model))
+        agree += int((ref == got).sum())
+        total += ref.numel()
+    token_agreement = agree / total
+    print(f"token agreement over {args.prompts} prompts x {args.new_tokens} greedy tokens: {token_agreement:.4f}")
+
+    rng = random.Random(0)
+    hits = {"fp16": 0, "artifact": 0}
+    trials = 0
+    for n in (int(x) for x in args.passkey_lengths.split(",")):
+        for depth in (0.1, 0.3, 0.5, 0.7, 0.9):
+            key = rng.randint(10000, 99999)
+            prompt = torch.tensor([passkey_prompt(tok, n, depth, key)[0]])
+            for name, cache in (("fp16", DynamicCache(config=model.config)), ("artifact", ArtifactCache(policy, model))):
+                text = tok.decode(greedy(model, prompt, 8, cache))
+                hits[name] += int(str(key) in text)
+            trials += 1
+        print(f"passkey up to {n} tokens: fp16 {hits['fp16']}/{trials}, artifact {hits['artifact']}/{trials}")
+    passkey = {k: v / trials for k, v in hits.items()}
+
+    cache_bytes = {}
+    expected = expected_outliers(art.manifest)
+    for t in (int(x) for x in args.lengths.split(",")):
+        cache = ArtifactCache(policy, model)
+        fill(model, cache, ids[None, :t])
+        measured = cache.nbytes()
+        predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=expected)
+        dyn = DynamicCache(config=model.config)
+        fill(model, dyn, ids[None, :t])
+        fp16 = sum(layer.keys.numel() * 2 + layer.values.numel() * 2 for layer in dyn.layers)
+        cache_bytes[str(t)] = [measured, predicted, fp16]
+        print(f"cache bytes at {t} tokens: measured {measured:,} predicted {predicted:,.0f} "
+              f"({measured / predicted - 1:+.3%}), fp16 {fp16:,} -> {measured / fp16:.3f} x fp16")
+    print(f"wall {time.perf_counter() - start:.0f} s")
+    write_json(args.json, {"token_agreement": token_agreement, "passkey": passkey, "cache_bytes": cache_bytes})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""After calibration: the mixed-precision policy (optional), then where the error lands -- the layer x position
+map, passkey probes, the drift gate -- and report.md. Stages stay pure; this module wires them."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import torch
+
+from exporters.codec import CachePolicy
+from exporters.ledger import predict_bytes
+from pipeline.runner import Runner, Stage
+from stages import evaluate, gate, layer_policy, probes, sensitivity
+from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks
+
+
+def select_policy(cfg, lm, windows, runner: Runner, results: dict, policies: dict[str, CachePolicy]) -> tuple[CachePolicy, dict]:
+    """Sensitivity of each option on calibration windows -> greedy allocation -> the mixed policy, evaluated
+    as a whole on the evaluation windows (isolated effects interact)."""
+    lp = cfg.layer_policy
+    sens_cfg = sensitivity.SensitivityConfig(n_windows=lp.n_windows, buckets=[0], variants=["kv"])
+    stages = [Stage(f"sensitivity-calib-{name}", lambda inp, pr, name=name: sensitivity.fit(
+        lm.model, lm.spec, windows.calib, policies[name], sens_cfg, pr),
+        config={"cfg": sens_cfg, "recipe": name}, deps=["evaluate"], units=lm.spec.n_layers) for name in lp.options]
+    sens = runner.run(stages, given=results)
+    recipes = results["evaluate"].meta["recipes"]
+    options = [layer_policy.Option(name, recipes[name]["avg_bits"], sens[f"sensitivity-calib-{name}"].tensors["kl"][2])
+               for name in lp.options]
+    choice = layer_policy.fit(options, lp.budget)
+    name = f"mixed-{lp.budget:g}b"
+    mixed = layer_policy.assemble([policies[o] for o in lp.options], choice.tensors["choice"].tolist(), name)
+    ev = runner.run([Stage("evaluate-mixed", lambda inp, pr: evaluate.fit(lm.model, lm.spec, windows.eval, [mixed], pr),
+                           config={"choice": choice.meta["choice"]}, deps=["evaluate"],
+                           units=windows.eval.shape[0])], given=results)
+    return mixed, {"layer_policy": choice.meta, "recipe": ev["evaluate-mixed"].meta["recipes"][name]}
+
+
+def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) -> dict:
+    """Layer x position map on evaluation windows, passkey probes, gate. -> JSON-able dict (+ tensors)."""
+    out: dict = {}
+    given = dict(results)
+    stages = []
+    if cfg.sensitivity.enabled:
+        stages.append(Stage("sensitivity", lambda inp, pr: sensitivity.fit(lm.model, lm.spec, windows.eval, target,
+                                                                         cfg.sensitivity, pr),
+                            config={"cfg": cfg.sensitivity, "policy": target.name}, deps=["evaluate"],
+                            units=lm.spec.n_layers * min(cfg.sensitivity.n_windows, windows.eval.shape[0])))
+    if cfg.probes.enabled:
+        prompts = probes.make_prompts(lm.tokenizer, cfg.probes)
+        stages.append(Stage("probes", lambda inp, pr: probes.fit(lm.model, lm.spec, prompts, [target], pr),
+                            config={"cfg": cfg.probes, "policy": target.name}, deps=["evaluate"], units=len(prompts)))
+    res = runner.run(stages, given=given) if stages else {}
+    sens = None
+    if "sensitivity" in res:
+        t = res["sensitivity"].tensors
+        sens = {"bucket_edges": res["sensitivity"].meta["bucket_edges"], "map_kl": t["map_kl"].tolist(),
+                "map_cos": t["map_cos"].tolist(), "layer_kl": {v: t["kl"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)},
+                "layer_top1": {v: t["top1"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)}}
+        out["sensitivity"] = sens
+    passkey = None
+    if "probes" in res:
+        passkey = {"fp16": res["probes"].meta["accuracy"]["fp16"], target.name: res["probes"].meta["accuracy"][target.name]}
+        out["probes"] = res["probes"].meta
+    if cfg.gate.enabled:
+        out["gate"] = gate.check(cfg.gate, target.name, results["evaluate"].meta["recipes"], sens, passkey)
+    return out
+
+
+def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, context: int = 12) -> list[dict]:
+    """Positions of one evaluation window where the quantized cache changes the greedy next token."""
+    pre, hooks = pre_rope_key_hooks(lm.model, lm.spec.n_kv_heads, lm.spec.head_dim)
+    ids = window[None]
+    with torch.no_grad(), forward_hooks(hooks):
+        ref = lm.model(ids, use_cache=False).logits[0].argmax(-1)
+        rope = evaluate.rope_tables(lm.model, ids)
+        with attention_override(lm.model, evaluate.quantized_attention(target, pre, rope, None)):
+            got = lm.model(ids, use_cache=False).logits[0].argmax(-1)
+    tok = lm.tokenizer
+    rows = []
+    for pos in (ref != got).nonzero().flatten().tolist()[:n]:
+        rows.append({"position": pos, "context": tok.decode(window[max(0, pos - context + 1): pos + 1]),
+                     "fp16": tok.decode(ref[pos : pos + 1]), "quantized": tok.decode(got[pos : pos + 1])})
+    return rows
+
+
+def _heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4 + len(edges), 6))
+    im = ax.imshow(values, aspect="auto", cmap=cmap)
+    ax.set_xticks(range(len(edges)), [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"])
+    ax.set_xlabel("position bucket")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, examples: list[dict]) -> Path:
+    """report.md + frontier.png + heatmaps (PNG and CSV) in run_dir."""
+    from pipeline.plots import ppl_vs_bits
+
+    recipes = dict(summary.get("evaluation", {}).get("recipes", {}))
+    if "mixed" in summary:
+        recipes[target.name] = summary["mixed"]["recipe"]
+    lines = [f"# kvcalib report: {target.name} on {spec.name}", "",
+             f"Data: {summary['data']['description']}; calibration {summary['data']['n_samples']} x "
+             f"{summary['data']['seq_len']} tokens, evaluation {summary['data']['eval_n_samples']} x "
+             f"{summary['data']['eval_seq_len']} tokens.", ""]
+    if recipes:
+        ppl_vs_bits(recipes, run_dir / "frontier.png")
+        lines += ["## Quality per bit (same windows, one run)", "", "![frontier](frontier.png)", "", "```",
+                  evaluate.table(recipes), "```", ""]
+    drift_out = summary.get("drift", {})
+    sens = drift_out.get("sensitivity")
+    if sens:
+        edges = sens["bucket_edges"]
+        _heatmap(sens["map_kl"], edges, "next-token KL, one layer quantized", run_dir / "heatmap_kl.png", "magma")
+        _heatmap(sens["map_cos"], edges, "attention-output cosine", run_dir / "heatmap_cos.png", "viridis")
+        with open(run_dir / "layer_position_map.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["layer", "bucket", "kl", "cos"])
+            for layer, (kls, coss) in enumerate(zip(sens["map_kl"], sens["map_cos"])):
+                for j, (kl, cos) in enumerate(zip(kls, coss)):
+                    w.writerow([layer, edges[j], f"{kl:.6g}", f"{cos:.6g}"])
+        lines += ["## Where the error lands (layer x position)", "", "![kl](heatmap_kl.png) ![cos](heatmap_cos.png)", "",
+                  "CSV: `layer_position_map.csv`.", ""]
+    lines += ["## Layer map", "", "| layer | K | V | KL (K only) | KL (V only) | KL (K+V) |", "|---|---|---|---|---|---|"]
+    for i, (pk, pv) in enumerate(target.layers):
+        kl = [sens["layer_kl"][v][i] if sens else float("nan") for v in ("k", "v", "kv")]
+        lines.append(f"| {i} | {pk.format}{pk.bits if pk.format != 'fp16' else ''} | {pv.format}{pv.bits if pv.format != 'fp16' else ''} | "
+                     f"{kl[0]:.4g} | {kl[1]:.4g} | {kl[2]:.4g} |")
+    lines += ["", "## Ledger (bytes per sequence, batch 1)", "", "| tokens | this artifact | fp16 | ratio |", "|---|---|---|---|"]
+    expected = [(summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_k"),
+                 summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_v"))] * spec.n_layers
+    for t in (1024, 8192, 32768, 131072):
+        b = predict_bytes(target, t, spec.n_kv_heads, spec.head_dim, expected=expected)
+        fp16 = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * t * 2
+        lines.append(f"| {t} | {b:,.0f} | {fp16:,} | {b / fp16:.3f} |")
+    probes_out = drift_out.get("probes")
+    if probes_out:
+        lines += ["", "## Passkey probes", ""]
+        for name, cells in probes_out["cells"].items():
+            lines.append(f"- {name}: accuracy {probes_out['accuracy'][name]:.2f} -- " +
+                         ", ".join(f"{k}:{'ok' if v else 'miss'}" for k, v in cells.items()))
+    g = drift_out.get("gate")
+    if g:
+        lines += ["", f"## Drift gate: {'PASSED' if g['passed'] else 'FAILED'}", "", f"Thresholds: {g['thresholds']}", ""]
+        lines += [f"- {f}" for f in g["failures"]]
+    if examples:
+        lines += ["", "## Changed examples (greedy next token differs from full precision)", ""]
+        lines += [f"- pos {e['position']}: `...{e['context']}` -> fp16 `{e['fp16']}`, quantized `{e['quantized']}`"
+                  for e in examples]
+    check = summary.get("runtime_check")
+    if check:
+        lines += ["", f"## Runtime check: {check.get('status')}", "", f"{check}"]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+

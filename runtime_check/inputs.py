@@ -1,0 +1,80 @@
+"""What one layer's decode attention reads: the new token's query and the cache as the runtime holds it.
+
+The kernel (triton_attention.py) and the oracle (reference.py) take the same DecodeInputs, so a check compares
+two readers of identical bytes. Positions: sink rows are 0..S-1, encoded block rows start..start+T_q-1 (the
+block's `start`), residual rows follow; sink and residual keys are stored post-RoPE, block keys per `key_rope`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from exporters.codec import TensorPolicy
+from runtime_check.cache import ArtifactLayer, StoredBlock
+
+
+@dataclass
+class DecodeInputs:
+    q: torch.Tensor                                        # [B, H_q, D] float32, post-RoPE query of the new token
+    scaling: float                                         # softmax scale (the model's attention.scaling)
+    key_policy: TensorPolicy
+    value_policy: TensorPolicy
+    key_rope: str                                          # "pre": block keys are rotated at their positions
+    rotary: torch.nn.Module                                # the model's rotary module (inv_freq, attention_scaling)
+    sink: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, S, D] fp16 post-RoPE K, V
+    k_block: StoredBlock | None = None                     # encoded rows start..start+T_q-1
+    v_block: StoredBlock | None = None
+    recent: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, R, D] fp16 post-RoPE K, V
+    smooth: torch.Tensor | None = None                     # [H_kv, D] lambda: block keys hold K / lambda
+
+    @property
+    def n_kv_heads(self) -> int:
+        for t in (self.sink and self.sink[0], self.recent and self.recent[0]):
+            if t is not None:
+                return t.shape[1]
+        return self.k_block.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def length(self) -> int:
+        """Cached rows the query attends to."""
+        return sum(t.shape[2] for t in (self.sink and self.sink[0], self.recent and self.recent[0]) if t is not None) + \
+            (self.k_block.shape[2] if self.k_block is not None else 0)
+
+
+def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: torch.nn.Module) -> DecodeInputs:
+    """The inputs for decoding against one ArtifactLayer; q: [B, H_q, D] post-RoPE."""
+    smooth = layer.policy.smooth[layer.layer].float() if layer.policy.smooth is not None else None
+    return DecodeInputs(q=q.float().contiguous(), scaling=float(scaling), key_policy=layer.pk, value_policy=layer.pv,
+                        key_rope=layer.policy.key_rope, rotary=rotary, sink=layer.sink, k_block=layer.k_block,
+                        v_block=layer.v_block, recent=layer.recent, smooth=smooth)
+
+
+def _to(x, device):
+    return None if x is None else x.to(device)
+
+
+def policy_to(p: TensorPolicy, device) -> TensorPolicy:
+    return replace(p, **{name: _to(getattr(p, name), device)
+                         for name in ("codebook", "zero", "range", "lower", "upper", "fp8_scale")})
+
+
+def block_to(block: StoredBlock | None, device) -> StoredBlock | None:
+    if block is None:
+        return None
+    return StoredBlock(block.start, block.shape, {k: v.to(device) for k, v in block.tensors.items()})
+
+
+def inputs_to(inp: DecodeInputs, device) -> DecodeInputs:
+    """The same cache on another device (a copy of the stored bytes, never a decoded copy)."""
+    def pair(p):
+        return None if p is None else (p[0].to(device), p[1].to(device))
+
+    return replace(inp, q=inp.q.to(device), key_policy=policy_to(inp.key_policy, device),
+                   value_policy=policy_to(inp.value_policy, device), sink=pair(inp.sink),
+                   k_block=block_to(inp.k_block, device), v_block=block_to(inp.v_block, device),
+                   recent=pair(inp.recent), smooth=_to(inp.smooth, device))

@@ -1,0 +1,34 @@
+"""The drift gate (seed 003): thresholds on the worst cell, not the average. A run whose artifact crosses one
+fails, naming the offending cell."""
+from __future__ import annotations
+
+from pipeline.config import GateConfig
+
+
+def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None) -> dict:
+    """evaluation: {recipe: {ppl, ...}}; sensitivity: {"map_kl": [[...]], "map_cos": [[...]], "bucket_edges": [...]};
+    passkey: {"fp16": acc, recipe: acc}. -> {"passed": bool, "failures": [...], "thresholds": {...}}"""
+    failures = []
+    ref = evaluation.get("fp16", {}).get("ppl")
+    row = evaluation.get(recipe)
+    if ref and row:
+        ratio = row["ppl"] / ref
+        if ratio > cfg.max_ppl_ratio:
+            failures.append(f"perplexity ratio {ratio:.4f} > max_ppl_ratio {cfg.max_ppl_ratio}")
+    if sensitivity:
+        edges = sensitivity["bucket_edges"]
+        names = [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"]
+        for layer, (kls, coss) in enumerate(zip(sensitivity["map_kl"], sensitivity["map_cos"])):
+            for j, (kl, cos) in enumerate(zip(kls, coss)):
+                if kl > cfg.max_cell_kl:
+                    failures.append(f"layer {layer} positions {names[j]}: KL {kl:.4f} > max_cell_kl {cfg.max_cell_kl}")
+                if cos < cfg.min_cell_cos:
+                    failures.append(f"layer {layer} positions {names[j]}: attention cosine {cos:.4f} < "
+                                    f"min_cell_cos {cfg.min_cell_cos}")
+    if passkey and passkey.get("fp16"):
+        ratio = passkey.get(recipe, 0.0) / passkey["fp16"]
+        if ratio < cfg.min_passkey_ratio:
+            failures.append(f"passkey accuracy {passkey.get(recipe, 0.0):.2f} vs fp16 {passkey['fp16']:.2f} "
+                            f"(ratio {ratio:.2f} < min_passkey_ratio {cfg.min_passkey_ratio})")
+    return {"passed": not failures, "failures": failures,
+            "thresholds": {k: getattr(cfg, k) for k in ("max_ppl_ratio", "max_cell_kl", "min_cell_cos", "min_passkey_ratio")}}

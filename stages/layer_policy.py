@@ -1,0 +1,70 @@
+"""Mixed precision per layer under an average-bits budget (seed 003; QAQ-style allocation by sensitivity).
+
+Inputs: for every candidate option (a recipe of one family, e.g. kvquant-{2,3,4}b-1pct, plus fp16) the isolated
+per-layer KL (only that layer quantized, measured on calibration windows) and the option's average bits per
+element. Greedy by sensitivity per bit saved: start every layer at the most precise option and repeatedly move
+the layer whose next step down costs the least KL per bit saved, until the average fits the budget. The sum of
+isolated KLs is only a proxy -- the chosen stack is evaluated as a whole afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exporters.codec import CachePolicy
+from stages.base import StageResult
+
+
+@dataclass
+class Option:
+    name: str
+    bits: float                 # average bits per element of this option (from the ledger)
+    kl: torch.Tensor            # [n_layers] isolated KL with only that layer on this option
+
+
+def choose(options: list[Option], budget: float) -> list[int]:
+    """-> option index per layer (options sorted by bits, descending)."""
+    if not options:
+        raise ValueError("layer_policy needs at least one option")
+    order = sorted(range(len(options)), key=lambda i: -options[i].bits)
+    opts = [options[i] for i in order]
+    if budget < opts[-1].bits:
+        raise ValueError(f"budget {budget} bits is below the cheapest option {opts[-1].name} ({opts[-1].bits:.3f} bits)")
+    n_layers = opts[0].kl.numel()
+    level = [0] * n_layers
+    avg = lambda: sum(opts[lv].bits for lv in level) / n_layers  # noqa: E731
+    while avg() > budget + 1e-12:
+        best, best_cost = None, float("inf")
+        for layer in range(n_layers):
+            lv = level[layer]
+            if lv + 1 >= len(opts):
+                continue
+            saved = opts[lv].bits - opts[lv + 1].bits
+            cost = float(opts[lv + 1].kl[layer] - opts[lv].kl[layer]) / max(saved, 1e-9)
+            if cost < best_cost:
+                best, best_cost = layer, cost
+        if best is None:
+            break
+        level[best] += 1
+    return [order[lv] for lv in level]
+
+
+def assemble(policies: list[CachePolicy], choice: list[int], name: str) -> CachePolicy:
+    """Per-layer TensorPolicies from same-family policies (same RoPE stage, sinks, residual, smoothing)."""
+    base = policies[0]
+    for p in policies[1:]:
+        if (p.key_rope, p.n_sink, p.residual) != (base.key_rope, base.n_sink, base.residual):
+            raise ValueError(f"mixed policy options must share key_rope / n_sink / residual: {base.name} vs {p.name}")
+    layers = [policies[c].layers[i] for i, c in enumerate(choice)]
+    return CachePolicy(name=name, layers=layers, key_rope=base.key_rope, n_sink=base.n_sink, residual=base.residual,
+                       smooth=base.smooth)
+
+
+def fit(options: list[Option], budget: float) -> StageResult:
+    choice = choose(options, budget)
+    bits = [options[c].bits for c in choice]
+    return StageResult({"choice": torch.tensor(choice)},
+                       {"budget": budget, "options": [o.name for o in options], "option_bits": [o.bits for o in options],
+                        "choice": [options[c].name for c in choice], "predicted_avg_bits": sum(bits) / len(bits),
+                        "predicted_kl": float(sum(options[c].kl[i] for i, c in enumerate(choice)))})

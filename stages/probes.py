@@ -1,0 +1,66 @@
+"""Positional probes: passkey retrieval with the needle at several depths of several context lengths.
+
+Teacher-forced greedy check: the prompt followed by the key's tokens runs in one forward; the probe passes when
+the argmax at every answer position is the key's next token -- exactly when greedy decoding would emit the key.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+from exporters.codec import CachePolicy
+from pipeline.config import ProbeConfig
+from stages.base import StageResult
+from stages.evaluate import quantized_attention, rope_tables
+from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def passkey_prompt(tok, n_tokens: int, depth: float, key: int) -> tuple[list[int], list[int]]:
+    """(prompt ids of about n_tokens, the answer's ids) with the needle at `depth` of the filler."""
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    filler, needle = enc(FILLER), enc(f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    question, answer = enc("What is the pass key? The pass key is"), enc(f" {key}")
+    body = (filler * (n_tokens // len(filler) + 1))[: max(0, n_tokens - len(needle) - len(question) - len(answer))]
+    cut = int(len(body) * depth)
+    return body[:cut] + needle + body[cut:] + question, answer
+
+
+def make_prompts(tok, cfg: ProbeConfig) -> list[dict]:
+    rng = random.Random(cfg.seed)
+    out = []
+    for n in cfg.lengths:
+        for depth in cfg.depths:
+            key = rng.randint(10000, 99999)
+            prompt, answer = passkey_prompt(tok, n, depth, key)
+            out.append({"length": n, "depth": depth, "key": key, "ids": torch.tensor([prompt + answer]),
+                        "answer_from": len(prompt)})
+    return out
+
+
+def fit(model: torch.nn.Module, spec, prompts: list[dict], policies: list[CachePolicy],
+        progress: Callable[[int], None] | None = None) -> StageResult:
+    """-> meta {"accuracy": {policy: float}, "cells": {policy: {"LENGTH@DEPTH": 0|1}}}; fp16 reference included."""
+    pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
+    cells: dict[str, dict[str, int]] = {"fp16": {}}
+    for p in policies:
+        cells[p.name] = {}
+    with torch.no_grad(), forward_hooks(hooks):
+        for pr in prompts:
+            ids, a = pr["ids"], pr["answer_from"]
+            target = ids[0, a:]
+            key = f"{pr['length']}@{pr['depth']:g}"
+            rope = rope_tables(model, ids)
+            logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
+            cells["fp16"][key] = int(torch.equal(logits[:-1].argmax(-1), target))
+            for p in policies:
+                with attention_override(model, quantized_attention(p, pre_keys, rope, None)):
+                    logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
+                cells[p.name][key] = int(torch.equal(logits[:-1].argmax(-1), target))
+            if progress:
+                progress(1)
+    accuracy = {name: sum(c.values()) / max(1, len(c)) for name, c in cells.items()}
+    return StageResult({}, {"accuracy": accuracy, "cells": cells})

@@ -1,0 +1,93 @@
+"""Where the error lands (seed 003): per-layer sensitivity and the layer x position error map.
+
+For each layer i, quantize only layer i's cache under the recipe (all other layers full precision) -- keys
+alone, values alone, and both -- and measure, against the full-precision reference on evaluation windows:
+KL(reference || quantized) of the next-token distribution, top-1 agreement and the change in mean NLL.
+With keys and values both quantized, the layer x position map records, per position bucket, the cosine
+similarity of layer i's attention output (o_proj input) and the next-token KL.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from exporters.codec import CachePolicy, TensorPolicy
+from pipeline.config import SensitivityConfig
+from stages.base import StageResult
+from stages.evaluate import quantized_attention, rope_tables
+from stages.hooks import attention_layers, attention_override, forward_hooks, pre_rope_key_hooks
+
+VARIANTS = ("k", "v", "kv")  # the order of the first axis of the kl / top1 / nll_delta tensors
+FP16 = TensorPolicy()
+
+
+def isolate(policy: CachePolicy, layer: int, variant: str) -> CachePolicy:
+    """The recipe's policy on one layer (keys, values or both); full precision elsewhere."""
+    pk, pv = policy.layers[layer]
+    layers = [(FP16, FP16)] * len(policy.layers)
+    layers[layer] = (pk if "k" in variant else FP16, pv if "v" in variant else FP16)
+    return CachePolicy(name=f"{policy.name}@{layer}:{variant}", layers=layers, key_rope=policy.key_rope,
+                       n_sink=policy.n_sink, residual=policy.residual, smooth=policy.smooth)
+
+
+def bucket_index(t: int, edges: list[int]) -> torch.Tensor:
+    """Position -> bucket: [edges[j], edges[j+1]) with the last bucket open-ended."""
+    pos = torch.arange(t)
+    return torch.bucketize(pos, torch.tensor(edges[1:]), right=True)
+
+
+def fit(model: torch.nn.Module, spec, windows: torch.Tensor, policy: CachePolicy, cfg: SensitivityConfig,
+        progress: Callable[[int], None] | None = None) -> StageResult:
+    n_layers = spec.n_layers
+    windows = windows[: cfg.n_windows]
+    t = windows.shape[1]
+    edges = [e for e in cfg.buckets if e < t]
+    n_buckets = len(edges)
+    bucket = bucket_index(t, edges)
+    counts = torch.bincount(bucket, minlength=n_buckets).double()
+    kl = torch.zeros(len(VARIANTS), n_layers, dtype=torch.float64)
+    top1 = torch.zeros_like(kl)
+    dnll = torch.zeros_like(kl)
+    map_cos = torch.zeros(n_layers, n_buckets, dtype=torch.float64)
+    map_kl = torch.zeros(n_layers, n_buckets, dtype=torch.float64)
+    pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
+    attn_out: dict[int, torch.Tensor] = {}
+
+    def grab(layer):
+        def hook(_m, inp):
+            attn_out[layer] = inp[0][0].detach().float()  # [T, H_q * D]
+        return hook
+
+    hooks += [(a.o_proj, grab(i), True) for i, a in enumerate(attention_layers(model))]
+    with torch.no_grad(), forward_hooks(hooks):
+        for w in range(windows.shape[0]):
+            ids = windows[w : w + 1]
+            targets = ids[0, 1:]
+            rope = rope_tables(model, ids)
+            ref = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
+            ref_out = {i: o.clone() for i, o in attn_out.items()}
+            ref_nll = -ref[:-1].gather(1, targets[:, None]).mean()
+            ref_top = ref.argmax(-1)
+            for layer in range(n_layers):
+                for v_idx, variant in enumerate(VARIANTS):
+                    if variant not in cfg.variants:
+                        continue
+                    pol = isolate(policy, layer, variant)
+                    with attention_override(model, quantized_attention(pol, pre_keys, rope, None)):
+                        logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
+                    kl_pos = (ref.exp() * (ref - logp)).sum(-1).double()  # [T]
+                    kl[v_idx, layer] += kl_pos.mean()
+                    top1[v_idx, layer] += (logp.argmax(-1) == ref_top).double().mean()
+                    dnll[v_idx, layer] += -logp[:-1].gather(1, targets[:, None]).mean() - ref_nll
+                    if variant == "kv":
+                        cos = torch.nn.functional.cosine_similarity(attn_out[layer], ref_out[layer], dim=-1).double()
+                        map_cos[layer] += torch.zeros(n_buckets, dtype=torch.float64).index_add(0, bucket, cos) / counts
+                        map_kl[layer] += torch.zeros(n_buckets, dtype=torch.float64).index_add(0, bucket, kl_pos) / counts
+                if progress:
+                    progress(1)
+    n = windows.shape[0]
+    return StageResult(
+        {"kl": (kl / n).float(), "top1": (top1 / n).float(), "nll_delta": (dnll / n).float(),
+         "map_cos": (map_cos / n).float(), "map_kl": (map_kl / n).float()},
+        {"variants": list(VARIANTS), "bucket_edges": edges, "windows": n, "seq_len": t, "recipe": policy.name})

@@ -1,0 +1,82 @@
+"""SmoothAttention scales (QServe, Lin et al. 2024, sec. 4.2; DeepCompressor `calib/smooth.py`).
+
+Per (layer, KV head, channel): lambda = max|K|^alpha / max|Q|^beta, K and Q the pre-RoPE projections (the
+traces stage's abs-max statistics). The cache stores K / lambda and a consumer multiplies q by lambda, so
+q.k is unchanged while the key channels with large magnitude are flattened before quantization.
+
+Constraints that keep the transform exact:
+- RoPE: the two channels RoPE rotates together must share one lambda (then RoPE(k / lambda) = RoPE(k) /
+  lambda). Under the rotate-half convention channel i pairs with i + D/2; the pair's statistic is the
+  maximum of its two channels. Any other convention is refused by name.
+- GQA: query head j reads KV head j // (H_q / H_kv); one lambda serves all query heads of a group, so the
+  Q statistic is the maximum over the group.
+A pair whose statistic is 0 (a dead key pair, or with beta > 0 a dead query pair) carries nothing to
+balance and gets lambda = 1. Every lambda must be finite and > 0; anything else names layer, head, channel.
+"""
+from __future__ import annotations
+
+import torch
+
+from pipeline.config import SmoothConfig
+from stages.base import StageResult
+
+ROPE_PAIRINGS = ("rotate_half",)
+
+
+def validate(cfg: SmoothConfig) -> None:
+    for name in ("alpha", "beta"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"smooth.{name} must be in [0, 1], got {value}")
+
+
+def _pair_max(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D]: each channel replaced by the max of its rotate-half pair (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    m = torch.maximum(x[..., :half], x[..., half:])
+    return torch.cat([m, m], dim=-1)
+
+
+def fit(q_absmax: torch.Tensor, k_absmax: torch.Tensor, cfg: SmoothConfig, rope_pairing: str) -> StageResult:
+    """q_absmax [L, H_q, D], k_absmax [L, H_kv, D] (pre-RoPE) -> smooth [L, H_kv, D]."""
+    validate(cfg)
+    if rope_pairing not in ROPE_PAIRINGS:
+        raise ValueError(f"smooth: RoPE pairing must be one of {ROPE_PAIRINGS}, got {rope_pairing!r}")
+    n_layers, n_q, d = q_absmax.shape
+    n_kv = k_absmax.shape[1]
+    if k_absmax.shape != (n_layers, n_kv, d) or n_q % n_kv or d % 2:
+        raise ValueError(f"smooth: q_absmax {tuple(q_absmax.shape)} and k_absmax {tuple(k_absmax.shape)} must be "
+                         f"[L, H_q, D] and [L, H_kv, D] with H_q a multiple of H_kv and D even")
+    q = _pair_max(q_absmax.double().view(n_layers, n_kv, n_q // n_kv, d).amax(2))  # [L, H_kv, D]
+    k = _pair_max(k_absmax.double())
+    lam = k.pow(cfg.alpha) / q.pow(cfg.beta)
+    dead = (k == 0) | ((q == 0) & (cfg.beta > 0))
+    lam = torch.where(dead, torch.ones_like(lam), lam).float()
+    bad = ~(torch.isfinite(lam) & (lam > 0))
+    if bad.any():
+        layer, head, channel = (int(i) for i in bad.nonzero()[0])
+        half = d // 2
+        raise ValueError(f"smooth: lambda must be finite and > 0, got {float(lam[layer, head, channel])} at "
+                         f"layer {layer}, kv head {head}, channel {channel} (RoPE pair {channel % half}/"
+                         f"{channel % half + half}; max|K| "
+                         f"{float(k[layer, head, channel])}, max|Q| {float(q[layer, head, channel])}); "
+                         f"{int(bad.sum())} entries are bad")
+    meta = {"alpha": cfg.alpha, "beta": cfg.beta, "rope_pairing": rope_pairing, "unit_pairs": int(dead.sum()) // 2,
+            "lambda_min": float(lam.min()), "lambda_max": float(lam.max())}
+    return StageResult({"smooth": lam}, meta)
+
+
+def fold(model: torch.nn.Module, smooth: torch.Tensor, n_q_heads: int) -> None:
+    """Fold lambda into the projections of `model` in place (pass a copy): q_proj rows x lambda, k_proj rows /
+    lambda (biases too), so the model's own q.k is unchanged and its cache holds K / lambda."""
+    n_layers, n_kv, d = smooth.shape
+    group = n_q_heads // n_kv
+    with torch.no_grad():
+        for layer, block in enumerate(model.model.layers):
+            attn = block.self_attn
+            lam_k = smooth[layer].reshape(-1)                                    # [H_kv * D]
+            lam_q = smooth[layer].repeat_interleave(group, dim=0).reshape(-1)    # [H_q * D]
+            for proj, scale in ((attn.q_proj, lam_q), (attn.k_proj, 1 / lam_k)):
+                proj.weight.mul_(scale.to(proj.weight.dtype)[:, None])
+                if proj.bias is not None:
+                    proj.bias.mul_(scale.to(proj.bias.dtype))

@@ -1,0 +1,409 @@
+"""MLflow provenance against a real tracking server (one `mlflow server` subprocess for the module).
+
+Pipeline runs are subprocesses on the tiny model, each in its own tmp_path working directory, exactly as a user
+runs `python -m pipeline run ... tracking.uri=http://HOST:PORT`; what they recorded is read back with
+MlflowClient. The subprocesses are started together by one fixture and each test waits for its own. A few
+cases call `tracked_run` in-process with a hand-made summary, to cover every optional section (artifact
+folder, manifest, runtime check) whatever the pipeline produces today, and to fail the store on purpose.
+"""
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
+        "traces.reservoir_size=16"]
+mlflow = pytest.importorskip("mlflow")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "KVCALIB_"))}
+    return {**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _run_ids(stdout: str) -> list[str]:
+    return [line.split()[2] for line in stdout.splitlines() if line.startswith("mlflow: run ")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(root: Path) -> tuple[subprocess.Popen, str]:
+    """`mlflow server` on a free loopback port: sqlite backend, artifacts served over HTTP."""
+    port = _free_port()
+    with open(root / "server.log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root}/db.sqlite",
+             "--serve-artifacts", "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(port), "--workers", "1"], cwd=root, stdout=log, stderr=subprocess.STDOUT,
+            env={**_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no GenAI job workers: lighter
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"mlflow server did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+class Launched:
+    """Pipeline subprocesses started together (each spends most of its time loading the model, so they
+    overlap well on two cores); `result(name)` waits for one and keeps its output."""
+
+    def __init__(self, tmp_root: Path):
+        self.tmp_root, self.procs, self.cwds, self.results = tmp_root, {}, {}, {}
+
+    def start(self, name: str, args: list[str]) -> None:
+        cwd = self.tmp_root / name
+        cwd.mkdir()
+        self.cwds[name] = cwd
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=_env(),
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, name: str, timeout_s: float = 400) -> subprocess.CompletedProcess:
+        if name not in self.results:
+            proc = self.procs[name]
+            out, err = proc.communicate(timeout=timeout_s)
+            self.results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.results[name]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The module's one tracking server and every pipeline subprocess its tests read back."""
+    root = tmp_path_factory.mktemp("tracking")
+    (root / "server").mkdir()
+    server, url = _start_server(root / "server")
+    runs = Launched(root)
+    nowhere = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    try:
+        for required in ("true", "false"):  # these need no server: start them while it boots
+            runs.start(f"unreachable-{required}", ["run", *TINY, "quant=fp16", f"tracking.uri={nowhere}",
+                                                   f"tracking.required={required}"])
+        _wait_healthy(server, url, root / "server" / "server.log")
+        runs.start("recorded", ["run", *TINY, f"tracking.uri={url}", "tracking.experiment=recorded"])
+        runs.start("failing", ["run", *TINY, "traces.reservoir_size=0", f"tracking.uri={url}",
+                               "tracking.experiment=failing"])
+        runs.start("sweep", ["run", "-m", *TINY, "quant=fp16", "traces.seed=0,1", "hydra/launcher=joblib",
+                             "hydra.launcher.n_jobs=2", f"tracking.uri={url}", "tracking.experiment=sweep"])
+        runs.url, runs.nowhere = url, nowhere
+        yield runs
+    finally:
+        runs.stop()
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def server(launched):
+    return launched.url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=server)
+
+
+@pytest.fixture(scope="module")
+def recorded(launched):
+    """The tiny pipeline run recorded on the server: (completed process, run id, working directory)."""
+    out = launched.result("recorded")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_id,) = _run_ids(out.stdout)
+    return out, run_id, launched.cwds["recorded"]
+
+
+def _summary(artifact_dir: Path) -> dict:
+    """What run_pipeline returns once export and runtime check exist: every optional section filled."""
+    return {
+        "model": {"name": "tiny", "model_sha256": "a" * 64, "tokenizer_sha256": "b" * 64},
+        "data": {"description": "hand-made", "calib_sha256": "c" * 64, "eval_sha256": "d" * 64},
+        "stages": [{"name": "traces", "key": "e" * 32, "status": "computed", "wall_s": 1.5, "peak_rss_mb": 100.0}],
+        "wall_s": 3.0, "peak_rss_mb": 120.0,
+        "evaluation": {"recipes": {"fp16": {"ppl": 10.0, "kl": 0.0, "top1": 1.0, "avg_bits": 16.0},
+                                   "kivi-2": {"ppl": 12.5, "kl": 0.25, "top1": 0.75, "avg_bits": 2.5}}},
+        "runtime_check": {"status": "pass", "max_abs_err": 0.001, "max_rel_err": 0.002},
+        "manifest": {"sha256": "f" * 64, "format_version": "1.0"},
+        "artifact_dir": str(artifact_dir),
+    }
+
+
+def _out(tmp: Path) -> dict:
+    from stages.base import StageResult
+
+    folder = tmp / "kvcache-export-tiny"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("{}")
+    g = torch.Generator().manual_seed(0)
+    k = torch.rand(2, 2, 16, generator=g)  # [n_layers, n_kv_heads, head_dim]
+    traces = StageResult(tensors={"k_pre_absmax": k, "k_post_absmax": 2 * k, "v_absmax": k / 2})
+    return {"summary": _summary(folder), "results": {"traces": traces}}
+
+
+def _config(uri: str | None, **tracking):
+    """A default RunConfig with tracking settings changed (uri None: the default store)."""
+    from pipeline.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.tracking.uri = uri or cfg.tracking.uri
+    for key, value in tracking.items():
+        setattr(cfg.tracking, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def synthetic(server, tmp_path_factory):
+    """A run recorded in-process from a hand-made summary with every optional section."""
+    from pipeline.tracking import tracked_run
+
+    tmp = tmp_path_factory.mktemp("synthetic")
+    cfg = _config(server, experiment="synthetic", run_name="synthetic-provenance-run")
+    with tracked_run(cfg, tmp / "run", log=lambda s: None) as rec:
+        rec.record(_out(tmp))
+    return rec.run_id
+
+
+def _artifacts(client, run_id: str, path: str | None = None) -> set[str]:
+    found = set()
+    for item in client.list_artifacts(run_id, path):
+        found |= _artifacts(client, run_id, item.path) if item.is_dir else {item.path}
+    return found
+
+
+# ------------------------------------------------------------------------------------------------- unit
+
+def test_flatten_and_metrics_are_hand_checkable():
+    from pipeline.tracking import flatten, summary_metrics
+
+    assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": "x", "e": {}}) == {"a.b": "1", "a.c": "[1, 2]", "d": "x",
+                                                                      "e": "{}"}
+    metrics = summary_metrics(_summary(Path("x")))
+    assert metrics["stage.traces.wall_s"] == 1.5 and metrics["stage.traces.peak_rss_mb"] == 100.0
+    assert metrics["eval.kivi-2.ppl"] == 12.5 and metrics["eval.kivi-2.avg_bits"] == 2.5
+    assert metrics["runtime_check.max_rel_err"] == 0.002 and "runtime_check.status" not in metrics
+
+
+def test_evaluation_table_csv_and_markdown():
+    from pipeline.tracking import evaluation_table
+
+    csv_text, md = evaluation_table(_summary(Path("x"))["evaluation"]["recipes"])
+    assert csv_text.splitlines() == ["recipe,avg_bits,ppl,kl,top1", "fp16,16,10,0,1", "kivi-2,2.5,12.5,0.25,0.75"]
+    assert md.splitlines()[2] == "| fp16 | 16 | 10 | 0 | 1 |"
+
+
+def test_disabled_tracking_touches_no_store(tmp_path, monkeypatch):
+    from pipeline.tracking import tracked_run
+
+    monkeypatch.chdir(tmp_path)
+    with tracked_run(_config(None, enabled=False), tmp_path / "run") as rec:
+        rec.record(_out(tmp_path))
+    assert rec.run_id is None and not (tmp_path / "mlruns.db").exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_default_store_is_sqlite_and_artifacts_in_working_directory(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import tracked_run
+
+    monkeypatch.chdir(tmp_path)
+    with tracked_run(_config(None), tmp_path / "run", log=lambda s: None) as rec:
+        rec.record(_out(tmp_path))
+    run = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_run(rec.run_id)  # the default: ./mlruns.db
+    assert run.info.status == "FINISHED"
+    assert list(tmp_path.glob(f"mlruns/*/{rec.run_id}/artifacts/kvcache-export-tiny/manifest.json"))
+
+
+def test_unresponsive_store_fails_in_seconds():
+    """A port that accepts connections but never answers: the probe gives up after its timeout, no retries."""
+    from pipeline.tracking import TrackingError, connect
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TrackingError, match=uri):
+            connect(uri, timeout_s=1)
+        assert time.monotonic() - start < 10
+
+
+# ------------------------------------------------------------------------------------------------- server
+
+def test_pipeline_run_is_recorded(recorded, client):
+    proc, run_id, cwd = recorded
+    run = client.get_run(run_id)
+    params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith(f"tiny-{params['quant.name']}-")
+    assert params["model.name"] == "tiny" and params["traces.reservoir_size"] == "16"
+    assert params["data.seq_len"] == "32" and params["tracking.experiment"] == "recorded"
+    summary = json.loads(Path(tags["run_dir"], "summary.json").read_text())
+    for stage in summary["stages"]:
+        assert metrics[f"stage.{stage['name']}.wall_s"] == pytest.approx(stage["wall_s"])
+        assert metrics[f"stage.{stage['name']}.peak_rss_mb"] == pytest.approx(stage["peak_rss_mb"])
+        assert tags[f"stage.{stage['name']}.key"] == stage["key"]
+    for recipe, row in summary.get("evaluation", {}).get("recipes", {}).items():
+        assert metrics[f"eval.{recipe}.ppl"] == pytest.approx(row["ppl"])
+    assert tags["model_sha256"] == summary["model"]["model_sha256"]
+    assert tags["tokenizer_sha256"] == summary["model"]["tokenizer_sha256"]
+    assert tags["calib_sha256"] == summary["data"]["calib_sha256"]
+    assert tags["eval_sha256"] == summary["data"]["eval_sha256"]
+    import pipeline
+    assert tags["kvcalib_version"] == pipeline.__version__
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert tags["git_sha"] == (git.stdout.strip() if git.returncode == 0 else "unknown")
+    assert "traces.reservoir_size=16" in tags["overrides"]
+    files = _artifacts(client, run_id)
+    assert {"config/config.yaml", "config/hydra/overrides.yaml", "summary.json",
+            "plots/kv_channels/layer_00.png", "plots/kv_channels/layer_01.png"} <= files
+    if "evaluation" in summary:
+        assert {"evaluation/table.csv", "evaluation/table.md", "plots/ppl_vs_bits.png"} <= files
+    if "artifact_dir" in summary:  # the exported artifact, whole, under its folder name
+        folder = Path(summary["artifact_dir"])
+        assert {f"{folder.name}/{p.relative_to(folder)}" for p in folder.rglob("*") if p.is_file()} <= files
+        assert tags["manifest_sha256"] == summary["manifest"]["sha256"]
+        assert tags["manifest_format_version"] == str(summary["manifest"]["format_version"])
+    config = client.download_artifacts(run_id, "config/config.yaml", str(cwd))
+    assert "reservoir_size: 16" in Path(config).read_text()
+    assert not (cwd / "mlruns.db").exists()  # the server got everything
+
+
+def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
+    run = client.get_run(synthetic)
+    metrics, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED"
+    assert metrics["eval.kivi-2.kl"] == 0.25 and metrics["runtime_check.max_abs_err"] == 0.001
+    assert tags["manifest_sha256"] == "f" * 64 and tags["manifest_format_version"] == "1.0"
+    assert tags["runtime_check_status"] == "pass"
+    files = _artifacts(client, synthetic)
+    assert {"kvcache-export-tiny/manifest.json", "evaluation/table.csv", "evaluation/table.md",
+            "plots/ppl_vs_bits.png", "plots/kv_channels/overview.png"} <= files
+    png = Path(client.download_artifacts(synthetic, "plots/ppl_vs_bits.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_show_prints_lineage(recorded, synthetic, server, client):
+    from pipeline.errors import UserError
+    from pipeline.tracking import show_run
+
+    _, run_id, _ = recorded
+    text = show_run(run_id, server)
+    tags = client.get_run(run_id).data.tags
+    for expected in (run_id, "FINISHED", tags["git_sha"], tags["model_sha256"], tags["calib_sha256"],
+                     "traces.reservoir_size=16", "traces", "config/config.yaml"):
+        assert expected in text
+    synthetic_text = show_run(synthetic, server)
+    assert "f" * 64 in synthetic_text and "pass" in synthetic_text and "kivi-2" in synthetic_text
+    with pytest.raises(UserError, match="0" * 32):
+        show_run("0" * 32, server)
+
+
+def test_store_failure_while_recording_marks_run_failed(server, client, tmp_path, monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import TrackingError, tracked_run
+
+    def broken(self, *args, **kwargs):
+        raise MlflowException("connection reset by peer")
+
+    ids = []
+    with pytest.raises(TrackingError, match=re.escape(server)):
+        with tracked_run(_config(server, experiment="broken"), tmp_path / "run", log=ids.append) as rec:
+            monkeypatch.setattr(MlflowClient, "log_artifacts", broken)
+            rec.record(_out(tmp_path))
+    monkeypatch.undo()
+    (run_id,) = _run_ids("\n".join(ids))
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED" and "connection reset by peer" in run.data.tags["error"]
+
+
+def test_failed_stage_marks_run_failed(launched, client):
+    out = launched.result("failing")  # traces.reservoir_size=0: the traces stage raises ValueError
+    assert out.returncode == 2 and "traces.reservoir_size must be >= 1" in out.stderr, out.stderr[-2000:]
+    (run_id,) = _run_ids(out.stdout)
+    run = client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert "ValueError: traces.reservoir_size must be >= 1, got 0" in run.data.tags["error"]
+    assert "error/traceback.txt" in _artifacts(client, run_id)
+    assert not any(k.startswith("stage.") for k in run.data.metrics)
+
+
+def test_sweep_has_a_parent_run_with_a_child_per_job(launched, client):
+    out = launched.result("sweep")  # -m traces.seed=0,1 hydra/launcher=joblib hydra.launcher.n_jobs=2
+    log = out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == 0, log
+    assert "Joblib.Parallel(n_jobs=2" in out.stdout + out.stderr, log  # the parallel local launcher ran it
+    children = [client.get_run(i) for i in _run_ids(out.stdout)]
+    assert len(children) == 2, log
+    parent_id = children[0].data.tags["mlflow.parentRunId"]
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep.n_jobs"] == 2, (parent, log)
+    assert "traces.seed=0,1" in parent.data.tags["sweep_overrides"]
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent_id}
+    assert sorted(c.data.params["traces.seed"] for c in children) == ["0", "1"]
+    assert sorted(c.info.run_name for c in children) == ["traces.seed=0", "traces.seed=1"]
+    assert [c.info.status for c in children] == ["FINISHED", "FINISHED"], log
+
+
+def test_unreachable_store_still_writes_results(launched):
+    uri = launched.nowhere
+    required, optional = launched.result("unreachable-true"), launched.result("unreachable-false")
+    assert required.returncode == 3, required.stderr[-2000:]
+    assert uri in required.stderr and "error:" in required.stderr, required.stderr[-2000:]
+    assert "Traceback" not in required.stderr
+    assert optional.returncode == 0, optional.stderr[-2000:]
+    assert "warning:" in optional.stderr and uri in optional.stderr, optional.stderr[-2000:]
+    for name, says_where in (("unreachable-true", required.stderr), ("unreachable-false", optional.stdout)):
+        cwd = launched.cwds[name]
+        (summary_path,) = cwd.glob("outputs/*/*/summary.json")
+        summary = json.loads(summary_path.read_text())
+        assert summary["stages"][0]["status"] == "computed" and summary["model"]["model_sha256"]
+        assert str(summary_path.parent) in says_where
+        assert not (cwd / "mlruns.db").exists() and not (cwd / "mlruns").exists()
+
+
+def test_mlflow_ui_shows_the_run_in_headless_chromium(synthetic, server, client, tmp_path):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium); the UI check needs it")
+    run = client.get_run(synthetic)
+    url = f"{server}/#/experiments/{run.info.experiment_id}/runs/{synthetic}/artifacts"
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000", "--dump-dom", url],
+        capture_output=True, text=True, timeout=120).stdout
+    assert "synthetic-provenance-run" in dom, dom[-2000:]
+    assert "kvcache-export-tiny" in dom, dom[-2000:]

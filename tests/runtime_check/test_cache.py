@@ -1,0 +1,102 @@
+import pytest
+import torch
+
+from exporters.codec import CachePolicy, TensorPolicy, encode, decode, fake_quant
+from exporters.ledger import predict_bytes
+from exporters.rope import apply_rope
+from runtime_check.cache import ArtifactCache, append, check_batch, generate, load, store
+from stages.evaluate import rope_tables
+
+BOOK4 = torch.linspace(-1, 1, 16)
+
+
+def kvquant_policy(n_layers, h, d, residual=0, bits=4):
+    g = torch.Generator().manual_seed(1)
+    lower, upper = -torch.rand(h, d, generator=g) - 0.2, torch.rand(h, d, generator=g) + 0.2
+    book = torch.linspace(-1, 1, 2 ** bits)
+    k = TensorPolicy(format="nuq", bits=bits, axis="channel", outlier_fraction=0.01, codebook=book,
+                     zero=(upper + lower) / 2, range=(upper - lower) / 2, lower=lower, upper=upper)
+    v = TensorPolicy(format="nuq", bits=bits, axis="token", outlier_fraction=0.01, codebook=book)
+    return CachePolicy("kvq", [(k, v)] * n_layers, key_rope="pre", n_sink=1, residual=residual)
+
+
+@pytest.mark.parametrize("p", [
+    TensorPolicy(format="uniform", bits=3, axis="token"),
+    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
+    TensorPolicy(format="nuq", bits=4, axis="token", codebook=BOOK4, outlier_fraction=0.05),
+    TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=torch.tensor(0.01)),
+    TensorPolicy(),
+])
+def test_stored_bytes_decode_like_the_codec(p):
+    x = torch.randn(2, 3, 8, 16, generator=torch.Generator().manual_seed(0))
+    e = encode(x, p)
+    block = store(e, p, start=5)
+    assert torch.equal(decode(load(block, p), p), decode(e, p))
+    # appending rows block by block decodes like encoding them separately
+    first, second = encode(x[:, :, :4], p), encode(x[:, :, 4:], p)
+    merged = append(store(first, p, 5), store(second, p, 9))
+    assert torch.equal(decode(load(merged, p), p), torch.cat([decode(first, p), decode(second, p)], 2))
+    if p.format in ("uniform", "nuq"):
+        assert block.tensors["codes"].dtype == torch.uint8 and block.tensors["codes"].shape[-1] == 16 * p.bits // 8
+
+
+def test_fp16_artifact_cache_generates_like_the_model(tiny):
+    ids = torch.randint(0, 40000, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = tiny.model.generate(ids, max_new_tokens=8, do_sample=False)
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers, key_rope="pre", n_sink=1)
+    out, cache = generate(tiny.model, pol, ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, ref) and cache.get_seq_length() == 24 + 7
+
+
+def test_cache_matches_the_evaluation_path(tiny):
+    """Keys the cache serves == the evaluation's codec path: pre-RoPE keys fake-quantized, then rotated."""
+    spec = tiny.spec
+    pol = kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim)
+    ids = torch.randint(0, 40000, (1, 20), generator=torch.Generator().manual_seed(3))
+    pre = {}
+    h = tiny.model.model.layers[1].self_attn.k_proj.register_forward_hook(lambda m, a, o: pre.__setitem__("k", o))
+    cache = ArtifactCache(pol, tiny.model)
+    with torch.no_grad():
+        tiny.model(ids, cache=cache)
+    h.remove()
+    keys, _ = cache.layers[1].materialize()
+    k_pre = pre["k"].view(1, 20, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    expected = k_pre.clone()
+    expected[:, :, 1:], _ = fake_quant(k_pre[:, :, 1:], pol.layers[1][0])
+    rope = rope_tables(tiny.model, ids)
+    expected = apply_rope(expected, rope["cos"], rope["sin"])
+    # sink row stored fp16 post-RoPE; the rest decoded: agreement to fp16 storage and RoPE round-trip precision
+    assert torch.allclose(keys, expected, atol=2e-3, rtol=1e-3)
+
+
+def test_measured_bytes_follow_the_ledger(tiny):
+    spec = tiny.spec
+    for residual, policy in ((0, kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim)),
+                             (8, CachePolicy("kivi", [(TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
+                                                       TensorPolicy(format="uniform", bits=2, axis="token"))] * spec.n_layers,
+                                             residual=8))):
+        ids = torch.randint(0, 40000, (1, 50), generator=torch.Generator().manual_seed(0))
+        cache = ArtifactCache(policy, tiny.model)
+        with torch.no_grad():
+            tiny.model(ids, cache=cache)
+            for step in range(5):  # decode steps exercise the flush rule
+                tiny.model(ids[:, :1], cache=cache)
+        t = 55
+        measured = cache.nbytes()
+        def frac(block):
+            return block.tensors["outlier_value"].numel() / (spec.n_kv_heads * spec.head_dim * block.shape[2])
+
+        outl = [(frac(layer.k_block), frac(layer.v_block)) if policy.layers[0][0].outlier_fraction else (None, None)
+                for layer in cache.layers]
+        predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=outl)
+        assert measured == pytest.approx(predicted, rel=1e-9), residual
+
+
+def test_refusals(tiny):
+    with pytest.raises(ValueError, match=r"equal-length rows \(no padding\); got lengths \[3, 2\]"):
+        check_batch(torch.tensor([[1, 1, 1], [0, 1, 1]]))
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers)
+    cache = ArtifactCache(pol, tiny.model)
+    too_long = tiny.spec.max_positions + 1
+    with pytest.raises(ValueError, match=f"would hold {too_long} tokens, more than the model's"):
+        cache.layers[0].update(torch.zeros(1, 2, too_long, 16), torch.zeros(1, 2, too_long, 16))
