@@ -29,7 +29,12 @@ from stages.base import StageResult
 from stages.evaluate import rope_tables
 
 class GateError(RuntimeError):
-    """The artifact crossed a drift-gate threshold; the message names the offending cells."""
+    """The artifact crossed a drift-gate threshold; the message names the offending cells. `out` carries the
+    run's results (written before the gate failed) so they can still be recorded."""
+
+    def __init__(self, message: str, out: dict | None = None):
+        super().__init__(message)
+        self.out = out
 
 
 CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales", "outliers", "codebooks")
@@ -77,7 +82,8 @@ def recipes_of(cfg: RunConfig) -> list[QuantConfig]:
     return out
 
 
-def calibration_keys(res: StageResult, lm: LoadedModel, key_rope: str, smooth: torch.Tensor | None = None) -> torch.Tensor:
+def calibration_keys(res: StageResult, lm: LoadedModel, key_rope: str,
+                     smooth: torch.Tensor | None = None) -> torch.Tensor:
     """Reservoir key rows in the space the recipe quantizes: pre-RoPE as recorded, or rotated to post-RoPE;
     divided by the SmoothAttention lambda [L, H, D] when given (RoPE pairs share lambda, so the order is free)."""
     k = res.tensors["res_k"]
@@ -117,7 +123,8 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
         extra = (["smooth"] if g.smooth else []) + (["prefix_tokens"] if g.prefix else [])
 
         def keys_of(inp, g):
-            return calibration_keys(inp[g.traces], lm, g.key_rope, inp["smooth"].tensors["smooth"] if g.smooth else None)
+            lam = inp["smooth"].tensors["smooth"] if g.smooth else None
+            return calibration_keys(inp[g.traces], lm, g.key_rope, lam)
 
         def fit_scales(inp, pr, g=g, ks_cfg=ks_cfg):
             cfg_eff = key_scales.KeyScalesConfig(outlier_fraction=ks_cfg.outlier_fraction, n_sink=g.n_sink_of(inp))
@@ -168,7 +175,8 @@ def _smooth_and_prefix_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes:
     if spec.bos_token_id is None:
         raise ValueError(f"quant.prefix=true: the tokenizer of model {spec.name} has no BOS token "
                          f"(bos_token_id is None), and the prefix ends in BOS")
-    out.append(Stage("prefix_tokens", lambda inp, pr: prefix_tokens.fit(lm.model, spec, inp["traces"].tensors, cfg.prefix),
+    out.append(Stage("prefix_tokens",
+                     lambda inp, pr: prefix_tokens.fit(lm.model, spec, inp["traces"].tensors, cfg.prefix),
                      config={**asdict(cfg.prefix), "tokenizer_sha256": spec.tokenizer_sha256}, deps=["traces"]))
     if any(g.prefix for g in groups):
         def served(inp):
@@ -264,5 +272,6 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         from runtime_check.check import RuntimeCheckError
         raise RuntimeCheckError(summary["artifact_dir"], summary["runtime_check"])
     if gate_result and not gate_result["passed"]:
-        raise GateError(f"drift gate failed for {target.name}: " + "; ".join(gate_result["failures"][:5]))
+        raise GateError(f"drift gate failed for {target.name}: " + "; ".join(gate_result["failures"][:5]),
+                        {"summary": summary, "results": results, "runner": runner, "model": lm, "windows": windows})
     return {"summary": summary, "results": results, "runner": runner, "model": lm, "windows": windows}

@@ -51,13 +51,21 @@ def _show(args: list[str]) -> int:
 
 
 def _show_run(run_id: str, args: list[str]) -> int:
+    import os
+
+    from pipeline.errors import UserError
+    from pipeline.tracking import EXIT_UNREACHABLE, TrackingError, show_run
+
+    uri = next((a.split("=", 1)[1] for a in args if a.startswith("tracking.uri=")),
+               os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlruns.db"))
     try:
-        from pipeline.tracking import show_run
-    except ImportError:
-        print(f"error: {run_id!r} is not an artifact folder", file=sys.stderr)
+        print(show_run(run_id, uri))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    uri = next((a.split("=", 1)[1] for a in args if a.startswith("tracking.uri=")), "sqlite:///mlruns.db")
-    print(show_run(run_id, uri))
+    except TrackingError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     return 0
 
 
@@ -102,7 +110,13 @@ def run_from_dictconfig(cfg, run_dir: Path) -> int:
         typed = to_typed(cfg)
         from pipeline.app import run_pipeline
         with tracked_run(typed, run_dir) as recorder:  # a stage that raises marks the MLflow run FAILED
-            recorder.record(run_pipeline(typed, run_dir))
+            try:
+                out = run_pipeline(typed, run_dir)
+            except GateError as exc:  # results exist: log them, and the run still ends FAILED with the error
+                if getattr(exc, "out", None) is not None:
+                    recorder.record(exc.out)
+                raise
+            recorder.record(out)
     except OmegaConfBaseException as exc:
         print(f"error: invalid config: {exc}", file=sys.stderr)
         return 2

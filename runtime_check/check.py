@@ -21,7 +21,7 @@ import torch
 from pipeline.config import CheckConfig
 
 ATOL = 1e-6
-RTOL = 1e-4
+RTOL = 2e-4
 
 
 class RuntimeCheckError(ValueError):
@@ -29,8 +29,8 @@ class RuntimeCheckError(ValueError):
     A ValueError so that `python -m pipeline run` reports it as one line and exits non-zero."""
 
     def __init__(self, artifact_dir, result: dict):
-        cause = result.get("error") or (f"max_rel_err {result['max_rel_err']:.3e} > rtol {result['tolerance']['rtol']:g} "
-                                        f"(max_abs_err {result['max_abs_err']:.3e})")
+        cause = result.get("error") or (f"max_rel_err {result['max_rel_err']:.3e} beyond rtol "
+                                        f"{result['tolerance']['rtol']:g} (max_abs_err {result['max_abs_err']:.3e})")
         super().__init__(f"runtime check failed for {artifact_dir}: {cause}; see runtime_check in its manifest.json")
         self.result = result
 
@@ -60,8 +60,9 @@ def tolerance(manifest: dict) -> tuple[dict, str]:
     reason = (f"formats {'/'.join(formats)}: kernel and oracle decode identical stored bytes (packed codes, fp16 "
               f"scales, zero-points and outliers, fp8 bytes, fp16 sink and residual rows) to identical float32 "
               f"values; they differ only by float32 rounding from " + "; ".join(terms) + ", each of order 1e-7.."
-              f"1e-6 of the output scale. rtol={RTOL:g} of max|oracle| per layer leaves a >=50x margin over that "
-              f"and is >=100x below the error of a wrong codebook level, RoPE position or cache axis; "
+              f"1e-6 of the output scale (<= 2e-6 observed on SmolLM2-135M and the tiny model). rtol={RTOL:g} of "
+              f"max|oracle| per layer leaves a ~100x margin over that and sits >100x below the error of a wrong "
+              f"codebook level, RoPE position or cache axis (>= 3e-2 even on the tiny random model); "
               f"atol={ATOL:g} only guards all-zero outputs.")
     return {"atol": ATOL, "rtol": RTOL,
             "criterion": "per case and layer: max|kernel - oracle| <= atol + rtol * max|oracle|"}, reason
@@ -123,7 +124,8 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
         model(ids[:, :-1], cache=cache)
         if prefix is not None:  # serve the artifact's prefix rows, as a runtime would
             for i, layer in enumerate(cache.layers):
-                k, v = (t[i].to(torch.float16)[None].expand(ids.shape[0], -1, -1, -1) for t in (prefix["k"], prefix["v"]))
+                k, v = (t[i].to(torch.float16)[None].expand(ids.shape[0], -1, -1, -1)
+                        for t in (prefix["k"], prefix["v"]))
                 p = k.shape[2]
                 layer.sink = (torch.cat([k, layer.sink[0][:, :, p:]], 2), torch.cat([v, layer.sink[1][:, :, p:]], 2))
         with attention_override(model, capture):
@@ -141,6 +143,31 @@ def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor) -> dict:
             "ok": finite and max_abs <= ATOL + RTOL * scale}
 
 
+class _KernelFailed(Exception):
+    """The kernel raised: a failed check, recorded with its cause."""
+
+
+def _check_case(lm, policy, ids: torch.Tensor, prefix: dict | None, kernel: Callable, timing: dict) -> dict:
+    """Every layer of one (context, batch): kernel vs oracle -> the worst layer's errors."""
+    from runtime_check import reference
+
+    worst = None
+    for i, inp in enumerate(record(lm, policy, ids, prefix)):
+        start = time.perf_counter()
+        try:
+            out = kernel(inp)
+        except Exception as exc:  # noqa: BLE001 -- any kernel failure is a check failure, never a crash
+            raise _KernelFailed(f"layer {i}: {type(exc).__name__}: {exc}") from exc
+        timing["kernel_s"] += time.perf_counter() - start
+        start = time.perf_counter()
+        ref = reference.decode_attention(inp)
+        timing["oracle_s"] += time.perf_counter() - start
+        res = compare(out, ref) | {"worst_layer": i}
+        if worst is None or (not res["ok"], res["max_rel_err"]) > (not worst["ok"], worst["max_rel_err"]):
+            worst = res
+    return {k: worst[k] for k in ("max_abs_err", "max_rel_err", "worst_layer", "ok")}
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return f"cuda:{torch.cuda.get_device_name()}"
@@ -156,23 +183,23 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     import triton
 
     from exporters.native import load_artifact, read_manifest, update_manifest
-    from runtime_check import reference
 
     if kernel is None:
         from runtime_check.triton_attention import decode_attention
-        block_t = 32 if native else 64  # the interpreter's cost is per tile: fewer, larger tiles on the CPU
+        block_t = 32 if native else 256  # the interpreter's cost is per tile op: few large tiles on the CPU
 
         def kernel(inp):
             return decode_attention(inp, block_t=block_t)
 
     cfg = cfg or CheckConfig()
+    contexts = list(cfg.gpu_contexts if native else cfg.contexts)
+    batches = list(cfg.batches)
+    _validate(contexts, batches, None)  # before a model is loaded for nothing
     manifest = read_manifest(artifact_dir)
     if model_bundle is None:
         from pipeline.model import load_model
         model_bundle = load_model(model_config_for(manifest))
     artifact = load_artifact(artifact_dir, model_bundle.spec)
-    contexts = list(cfg.gpu_contexts if native else cfg.contexts)
-    batches = list(cfg.batches)
     prefix = None
     if artifact.manifest["cache"]["prefix"]:
         pj = artifact.manifest["cache"]["prefix"]
@@ -181,32 +208,17 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     _validate(contexts, batches, model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
     windows = eval_ids(model_bundle.tokenizer, max(batches), max(contexts) + 1)
     tol, reason = tolerance(artifact.manifest)
-    cases, t_kernel, t_oracle, error = [], 0.0, 0.0, None
     log(f"runtime check: {artifact.manifest['recipe']} on {artifact.manifest['model']['name']}, "
         f"contexts {contexts} x batches {batches}, {model_bundle.spec.n_layers} layers, {device_name()}")
+    cases, timing, error = [], {"kernel_s": 0.0, "oracle_s": 0.0}, None
     for t in contexts:
         for b in batches:
-            layers = record(model_bundle, artifact.policy, windows[:b, : t + 1], prefix)
-            worst = None
-            for i, inp in enumerate(layers):
-                start = time.perf_counter()
-                try:
-                    out = kernel(inp)
-                except Exception as exc:  # a kernel that cannot run is a failed check, recorded with its cause
-                    error = f"layer {i}, context {t}, batch {b}: {type(exc).__name__}: {exc}"
-                    break
-                t_kernel += time.perf_counter() - start
-                start = time.perf_counter()
-                ref = reference.decode_attention(inp)
-                t_oracle += time.perf_counter() - start
-                res = compare(out, ref) | {"layer": i}
-                if worst is None or (not res["ok"], res["max_rel_err"]) > (not worst["ok"], worst["max_rel_err"]):
-                    worst = res
-            if error:
+            try:
+                case = _check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, kernel, timing)
+            except _KernelFailed as exc:
+                error = f"context {t}, batch {b}: {exc}"
                 break
-            case = {"context": t, "batch": b, "max_abs_err": worst["max_abs_err"], "max_rel_err": worst["max_rel_err"],
-                    "worst_layer": worst["layer"], "ok": worst["ok"]}
-            cases.append(case)
+            cases.append({"context": t, "batch": b, **case})
             log(f"  context {t:>6} batch {b}: max_abs_err {case['max_abs_err']:.3e} max_rel_err "
                 f"{case['max_rel_err']:.3e} (layer {case['worst_layer']}) {'ok' if case['ok'] else 'FAILED'}")
         if error:
@@ -218,7 +230,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         "max_rel_err": max((c["max_rel_err"] for c in cases), default=None),
         "tolerance": tol, "reason": reason, "device": device_name(), "triton": triton.__version__,
         "interpreter": not native, "contexts": contexts, "batches": batches, "cases": cases,
-        "kernel_s": round(t_kernel, 3), "oracle_s": round(t_oracle, 3),
+        **{k: round(v, 3) for k, v in timing.items()},
         "data": "embedded:pydoc_data.topics (evaluation half)",
     }
     if error:
@@ -233,15 +245,17 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     return result
 
 
-def _validate(contexts: list[int], batches: list[int], max_context: int) -> None:
+def _validate(contexts: list[int], batches: list[int], max_context: int | None) -> None:
+    """max_context: the model's positions less the prefix (None: not known yet, check the lower bounds only)."""
     from pipeline.errors import UserError
 
     if not contexts or not batches:
         raise UserError(f"check.contexts and check.batches must be non-empty, got {contexts} and {batches}")
     for t in contexts:
-        if not 1 <= t < max_context:
-            raise UserError(f"check.contexts: each context must be in [1, {max_context - 1}] (the model's positions "
-                            f"less the prefix and the decoded token), got {t}")
+        if t < 1 or (max_context is not None and t >= max_context):
+            upper = "" if max_context is None else f", {max_context - 1}"
+            raise UserError(f"check.contexts: each context must be in [1{upper}] (at most the model's positions less "
+                            f"the prefix and the decoded token), got {t}")
     for b in batches:
         if b < 1:
             raise UserError(f"check.batches: each batch size must be >= 1, got {b}")

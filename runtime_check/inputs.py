@@ -28,12 +28,13 @@ class DecodeInputs:
     recent: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, R, D] fp16 post-RoPE K, V
     smooth: torch.Tensor | None = None                     # [H_kv, D] lambda: block keys hold K / lambda
 
+    def _row_keys(self) -> list[torch.Tensor]:
+        return [pair[0] for pair in (self.sink, self.recent) if pair is not None]
+
     @property
     def n_kv_heads(self) -> int:
-        for t in (self.sink and self.sink[0], self.recent and self.recent[0]):
-            if t is not None:
-                return t.shape[1]
-        return self.k_block.shape[1]
+        rows = self._row_keys()
+        return rows[0].shape[1] if rows else self.k_block.shape[1]
 
     @property
     def head_dim(self) -> int:
@@ -42,8 +43,8 @@ class DecodeInputs:
     @property
     def length(self) -> int:
         """Cached rows the query attends to."""
-        return sum(t.shape[2] for t in (self.sink and self.sink[0], self.recent and self.recent[0]) if t is not None) + \
-            (self.k_block.shape[2] if self.k_block is not None else 0)
+        encoded = self.k_block.shape[2] if self.k_block is not None else 0
+        return sum(k.shape[2] for k in self._row_keys()) + encoded
 
 
 def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: torch.nn.Module) -> DecodeInputs:

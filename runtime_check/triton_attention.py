@@ -80,12 +80,12 @@ def _dequant(DATA, d_b, d_h, d_t, d_c, SCALE, ZERO, s_b, s_h, s_t, s_c, LUT,
     """Stored rows `rows` [BT] (block-relative) of sequence b, kv head h, channels `ch` [W] -> [BT, W] float32."""
     base = DATA + b * d_b + h * d_h + rows[:, None] * d_t
     ok = row_ok[:, None] & (ch[None, :] < D)
-    if FMT == 0:
+    if FMT == 0:  # FMT_FP16
         x = tl.load(base + ch[None, :] * d_c, mask=ok, other=0.0).to(tl.float32)
-    elif FMT == 1:
+    elif FMT == 1:  # FMT_FP8: value table of the byte, times the head's (or tensor's) scale
         byte = tl.load(base + ch[None, :] * d_c, mask=ok, other=0).to(tl.int32)
         x = tl.load(LUT + byte) * tl.load(SCALE + h * s_h).to(tl.float32)
-    else:
+    else:  # FMT_UNIFORM, FMT_NUQ: b-bit codes packed little-endian along the row
         bit = ch * BITS
         byte = bit // 8
         word = tl.load(base + byte[None, :] * d_c, mask=ok, other=0).to(tl.int32)
@@ -94,19 +94,19 @@ def _dequant(DATA, d_b, d_h, d_t, d_c, SCALE, ZERO, s_b, s_h, s_t, s_c, LUT,
             nxt = tl.load(base + (byte[None, :] + 1) * d_c, mask=ok & (byte[None, :] + 1 < n_bytes), other=0)
             word = word | (nxt.to(tl.int32) << 8)
         code = (word >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
-        if FMT == 2:
+        if FMT == 2:  # uniform: code * scale + min
             level = code.to(tl.float32)
-        else:
+        else:  # nuq: codebook level * range + zero
             level = tl.load(LUT + code)
-        if SMODE == 1:
+        if SMODE == 1:  # SC_TOKEN
             off = b * s_b + h * s_h + rows * s_t
             scale = tl.load(SCALE + off, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             zero = tl.load(ZERO + off, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        elif SMODE == 2:
+        elif SMODE == 2:  # SC_GROUP: rows [g*GROUP, (g+1)*GROUP) share a scale per channel
             off = b * s_b + h * s_h + (rows // GROUP)[:, None] * s_t + ch[None, :] * s_c
             scale = tl.load(SCALE + off, mask=ok, other=0.0).to(tl.float32)
             zero = tl.load(ZERO + off, mask=ok, other=0.0).to(tl.float32)
-        else:
+        else:  # SC_STATIC: calibrated per (head, channel)
             off = h * s_h + ch * s_c
             scale = tl.load(SCALE + off).to(tl.float32)[None, :]
             zero = tl.load(ZERO + off).to(tl.float32)[None, :]

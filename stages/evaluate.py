@@ -131,7 +131,8 @@ def fit(model: torch.nn.Module, spec, windows: torch.Tensor, policies: list[Cach
                 st = stats[policy.name]
                 run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
                 if policy.is_full_precision:
-                    logp = ref if p == 0 else torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
+                    logp = ref if p == 0 else torch.log_softmax(
+                        model(run_ids, use_cache=False).logits[0, p:].float(), -1)
                     st["ledger"].bits += 16 * 2 * run_ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
                     st["ledger"].elements += 2 * run_ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
                 else:

@@ -23,6 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
         "traces.reservoir_size=16"]
+# the recorded run keeps every section tracking logs (evaluation, export, runtime check) and skips the rest;
+# runs that test only the tracking mechanics skip the runtime check too
+RECORDED = ["quant=fp16", "sensitivity.enabled=false", "probes.enabled=false"]
+LEAN = [*RECORDED, "check.enabled=false"]
 mlflow = pytest.importorskip("mlflow")
 
 
@@ -105,13 +109,13 @@ def launched(tmp_path_factory):
     nowhere = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     try:
         for required in ("true", "false"):  # these need no server: start them while it boots
-            runs.start(f"unreachable-{required}", ["run", *TINY, "quant=fp16", f"tracking.uri={nowhere}",
+            runs.start(f"unreachable-{required}", ["run", *TINY, *LEAN, f"tracking.uri={nowhere}",
                                                    f"tracking.required={required}"])
         _wait_healthy(server, url, root / "server" / "server.log")
-        runs.start("recorded", ["run", *TINY, f"tracking.uri={url}", "tracking.experiment=recorded"])
+        runs.start("recorded", ["run", *TINY, *RECORDED, f"tracking.uri={url}", "tracking.experiment=recorded"])
         runs.start("failing", ["run", *TINY, "traces.reservoir_size=0", f"tracking.uri={url}",
                                "tracking.experiment=failing"])
-        runs.start("sweep", ["run", "-m", *TINY, "quant=fp16", "traces.seed=0,1", "hydra/launcher=joblib",
+        runs.start("sweep", ["run", "-m", *TINY, *LEAN, "traces.seed=0,1", "hydra/launcher=joblib",
                              "hydra.launcher.n_jobs=2", f"tracking.uri={url}", "tracking.experiment=sweep"])
         runs.url, runs.nowhere = url, nowhere
         yield runs
@@ -289,6 +293,9 @@ def test_pipeline_run_is_recorded(recorded, client):
             "plots/kv_channels/layer_00.png", "plots/kv_channels/layer_01.png"} <= files
     if "evaluation" in summary:
         assert {"evaluation/table.csv", "evaluation/table.md", "plots/ppl_vs_bits.png"} <= files
+    if "runtime_check" in summary:
+        assert tags["runtime_check_status"] == str(summary["runtime_check"]["status"])
+        assert metrics["runtime_check.max_abs_err"] == pytest.approx(summary["runtime_check"]["max_abs_err"])
     if "artifact_dir" in summary:  # the exported artifact, whole, under its folder name
         folder = Path(summary["artifact_dir"])
         assert {f"{folder.name}/{p.relative_to(folder)}" for p in folder.rglob("*") if p.is_file()} <= files
@@ -365,13 +372,12 @@ def test_sweep_has_a_parent_run_with_a_child_per_job(launched, client):
     log = out.stdout[-2000:] + out.stderr[-3000:]
     assert out.returncode == 0, log
     assert "Joblib.Parallel(n_jobs=2" in out.stdout + out.stderr, log  # the parallel local launcher ran it
-    children = [client.get_run(i) for i in _run_ids(out.stdout)]
-    assert len(children) == 2, log
-    parent_id = children[0].data.tags["mlflow.parentRunId"]
+    (parent_id,) = [line.split()[4] for line in out.stdout.splitlines() if line.startswith("mlflow: sweep parent")]
     parent = client.get_run(parent_id)
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert len(children) == 2, log
     assert parent.info.status == "FINISHED" and parent.data.metrics["sweep.n_jobs"] == 2, (parent, log)
     assert "traces.seed=0,1" in parent.data.tags["sweep_overrides"]
-    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent_id}
     assert sorted(c.data.params["traces.seed"] for c in children) == ["0", "1"]
     assert sorted(c.info.run_name for c in children) == ["traces.seed=0", "traces.seed=1"]
     assert [c.info.status for c in children] == ["FINISHED", "FINISHED"], log
@@ -395,15 +401,19 @@ def test_unreachable_store_still_writes_results(launched):
 
 
 def test_mlflow_ui_shows_the_run_in_headless_chromium(synthetic, server, client, tmp_path):
+    """The run's page in the MLflow UI (a React app: the DOM is dumped after virtual time has let it render)."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium); the UI check needs it")
     run = client.get_run(synthetic)
     url = f"{server}/#/experiments/{run.info.experiment_id}/runs/{synthetic}/artifacts"
-    dom = subprocess.run(
-        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-         f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000", "--dump-dom", url],
-        capture_output=True, text=True, timeout=120).stdout
-    assert "synthetic-provenance-run" in dom, dom[-2000:]
-    assert "kvcache-export-tiny" in dom, dom[-2000:]
+    for budget_ms in (15000, 45000):  # a loaded machine may need longer to fetch the run before rendering
+        dom = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}", f"--virtual-time-budget={budget_ms}", "--dump-dom", url],
+            capture_output=True, text=True, timeout=180).stdout
+        if "synthetic-provenance-run" in dom and "kvcache-export-tiny" in dom:
+            break
+    assert "synthetic-provenance-run" in dom, dom[-2000:]  # the run name, in the page header
+    assert "kvcache-export-tiny" in dom, dom[-2000:]  # the exported artifact folder, in the artifact tree

@@ -144,6 +144,8 @@ def test_prefix_recipes_calibrate_on_the_rows_after_the_prefix(tiny):
                         data=DataConfig(n_samples=2, seq_len=32, eval_n_samples=1, eval_seq_len=32),
                         quant=load_recipe(names[0]), eval=EvalConfig(recipes=names), cache_dir=f"{tmp}/cache",
                         traces=TracesConfig(reservoir_size=64), prefix=PrefixConfig(n_tokens=2))
+        cfg.export.enabled = cfg.check.enabled = False  # the calibration graph and evaluation are what is tested
+        cfg.sensitivity.enabled = cfg.probes.enabled = cfg.gate.enabled = False
         out = run_pipeline(cfg, Path(tmp) / "run", log=lambda _: None, show_progress=False)
     res, meta = out["results"], out["summary"]["stage_meta"]
     ids = res["prefix_tokens"].tensors["ids"]
@@ -159,3 +161,24 @@ def test_prefix_recipes_calibrate_on_the_rows_after_the_prefix(tiny):
     assert torch.allclose(scales.tensors["upper"], expect)
     rows = out["summary"]["evaluation"]["recipes"]
     assert set(rows) == set(names) and rows["fp16+prefix"]["kl"] > 0
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ({"smooth": {"alpha": 2.0}}, r"smooth.alpha must be in \[0, 1\], got 2.0"),
+    ({"prefix": {"eta": 1.0}}, r"prefix.eta must be > 1"),
+    ({"prefix": {"n_tokens": 5}}, r"prefix.n_tokens=5 asks for a prefix longer than the cap prefix.max_tokens=4"),
+    ({"bos": None}, r"tokenizer of model tiny has no BOS token"),
+])
+def test_bad_input_is_refused_while_the_graph_is_built(tiny, tiny_windows, override, pattern):
+    """Before any stage runs (build_stages is called before the runner computes anything)."""
+    from dataclasses import replace
+
+    from pipeline.app import build_stages
+    from pipeline.config import RunConfig, SmoothConfig, load_recipe
+    from pipeline.model import LoadedModel
+
+    cfg = RunConfig(smooth=SmoothConfig(**override.get("smooth", {})), prefix=PrefixConfig(**override.get("prefix", {})))
+    lm = tiny if "bos" not in override else LoadedModel(tiny.model, tiny.tokenizer, replace(tiny.spec, bos_token_id=None))
+    recipes = [load_recipe("kvquant-3b-1pct+smooth+prefix")]
+    with pytest.raises(ValueError, match=pattern):
+        build_stages(cfg, lm, tiny_windows, recipes)

@@ -11,7 +11,8 @@ from stages.hooks import attention_layers, attention_override, forward_hooks, sd
 
 
 def _fit(q, k, alpha=0.5, beta=0.0):
-    return smooth_attention.fit(torch.tensor(q), torch.tensor(k), SmoothConfig(alpha, beta), "rotate_half").tensors["smooth"]
+    res = smooth_attention.fit(torch.tensor(q), torch.tensor(k), SmoothConfig(alpha, beta), "rotate_half")
+    return res.tensors["smooth"]
 
 
 def test_rope_pairs_share_the_pair_maximum():
@@ -109,7 +110,8 @@ def _rel(a, b):
 
 def _check_logits_equivalence(lm, windows):
     stats = traces.fit(lm.model, lm.spec, windows.calib[:, :32], TracesConfig(reservoir_size=16)).tensors
-    lam = smooth_attention.fit(stats["q_absmax"], stats["k_pre_absmax"], SmoothConfig(), lm.spec.rope_pairing).tensors["smooth"]
+    res = smooth_attention.fit(stats["q_absmax"], stats["k_pre_absmax"], SmoothConfig(), lm.spec.rope_pairing)
+    lam = res.tensors["smooth"]
     assert lam.std() > 0  # a non-trivial transform
     ids = windows.eval[:1, :64]
     plain, smoothed = _attention_logits(lm, ids), _attention_logits(lm, ids, lam)
