@@ -54,6 +54,7 @@ def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) 
     if "sensitivity" in res:
         t = res["sensitivity"].tensors
         sens = {"bucket_edges": res["sensitivity"].meta["bucket_edges"], "map_kl": t["map_kl"].tolist(),
+                "variants": list(cfg.sensitivity.variants),
                 "map_cos": t["map_cos"].tolist(), "layer_kl": {v: t["kl"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)},
                 "layer_top1": {v: t["top1"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)}}
         out["sensitivity"] = sens
@@ -131,7 +132,7 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
                   "CSV: `layer_position_map.csv`.", ""]
     lines += ["## Layer map", "", "| layer | K | V | KL (K only) | KL (V only) | KL (K+V) |", "|---|---|---|---|---|---|"]
     for i, (pk, pv) in enumerate(target.layers):
-        kl = [sens["layer_kl"][v][i] if sens else float("nan") for v in ("k", "v", "kv")]
+        kl = [sens["layer_kl"][v][i] if sens and v in sens["variants"] else float("nan") for v in ("k", "v", "kv")]
         lines.append(f"| {i} | {pk.format}{pk.bits if pk.format != 'fp16' else ''} | {pv.format}{pv.bits if pv.format != 'fp16' else ''} | "
                      f"{kl[0]:.4g} | {kl[1]:.4g} | {kl[2]:.4g} |")
     lines += ["", "## Ledger (bytes per sequence, batch 1)", "", "| tokens | this artifact | fp16 | ratio |", "|---|---|---|---|"]

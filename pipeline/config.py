@@ -132,7 +132,7 @@ class SensitivityConfig:
     enabled: bool = True
     n_windows: int = 1
     buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
-    variants: list[str] = field(default_factory=lambda: ["k", "v", "kv"])
+    variants: list[str] = field(default_factory=lambda: ["kv"])  # add "k", "v" for the per-tensor split
 
 
 @dataclass
