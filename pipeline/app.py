@@ -245,9 +245,13 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     if cfg.export.enabled:
         provenance = {"data": summary["data"],
                       "stages": {r.name: {"cache_key": r.key, "config_sha256": r.config_sha256} for r in runner.records}}
+        prefix = None
+        if cfg.quant.prefix and "prefix_tokens" in results:  # the full-precision prefix K/V ship with the artifact
+            pt = results["prefix_tokens"].tensors
+            prefix = {"token_ids": pt["ids"].tolist(), "k": pt["k_post"], "v": pt["v"]}
         summary.update(export(run_dir, target, lm.spec, provenance,
                               summary.get("evaluation", {}).get("recipes", {}),
-                              lm.model.config.to_dict(), overwrite=cfg.export.overwrite))
+                              lm.model.config.to_dict(), prefix=prefix, overwrite=cfg.export.overwrite))
         if cfg.check.enabled:  # kernel vs oracle on the exported artifact; the manifest records the outcome
             from runtime_check.check import run_check
             summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
