@@ -57,7 +57,7 @@ def test_llama3_without_weights_is_a_short_message(tmp_path):
 def test_embedded_model_end_to_end(tmp_path):
     out = _run(["run", "data.n_samples=2", "data.seq_len=128", "data.eval_n_samples=1", "data.eval_seq_len=128",
                 "tracking.enabled=false", "probes.lengths=[128]", "sensitivity.variants=[kv]", "traces.reservoir_size=256",
-                "check.contexts=[64]", "check.batches=[1]"], tmp_path)
+                "check.contexts=[64]", "check.batches=[1]"], tmp_path, timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
     results = Path(out.stdout.strip().splitlines()[-1].removeprefix("results: "))
     summary = json.loads((results / "summary.json").read_text())
