@@ -84,26 +84,9 @@ def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, 
     return rows
 
 
-def _heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4 + len(edges), 6))
-    im = ax.imshow(values, aspect="auto", cmap=cmap)
-    ax.set_xticks(range(len(edges)), [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"])
-    ax.set_xlabel("position bucket")
-    ax.set_ylabel("layer")
-    ax.set_title(title)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, examples: list[dict]) -> Path:
     """report.md + frontier.png + heatmaps (PNG and CSV) in run_dir."""
-    from pipeline.plots import ppl_vs_bits
+    from pipeline.plots import heatmap, ppl_vs_bits
 
     recipes = dict(summary.get("evaluation", {}).get("recipes", {}))
     if "mixed" in summary:
@@ -120,8 +103,8 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
     sens = drift_out.get("sensitivity")
     if sens:
         edges = sens["bucket_edges"]
-        _heatmap(sens["map_kl"], edges, "next-token KL, one layer quantized", run_dir / "heatmap_kl.png", "magma")
-        _heatmap(sens["map_cos"], edges, "attention-output cosine", run_dir / "heatmap_cos.png", "viridis")
+        heatmap(sens["map_kl"], edges, "next-token KL, one layer quantized", run_dir / "heatmap_kl.png", "magma")
+        heatmap(sens["map_cos"], edges, "attention-output cosine", run_dir / "heatmap_cos.png", "viridis")
         with open(run_dir / "layer_position_map.csv", "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["layer", "bucket", "kl", "cos"])

@@ -97,3 +97,20 @@ def _save(fig: Figure, path: Path) -> Path:
 
 
 __all__ = ["ppl_vs_bits", "kv_channel_magnitudes"]
+
+
+def heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4 + len(edges), 6))
+    im = ax.imshow(values, aspect="auto", cmap=cmap)
+    ax.set_xticks(range(len(edges)), [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"])
+    ax.set_xlabel("position bucket")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
