@@ -38,6 +38,10 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--eval-n-samples", type=int, default=16)
     ap.add_argument("--cache-dir", default=".kvcalib_cache")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dev", action="store_true",
+                    help="development split: calibrate on the first half of valid.txt, evaluate on its second half "
+                         "(test.txt untouched; for choosing a method before it is measured on the protocol)")
+    ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2")
 
 
 def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
@@ -46,11 +50,15 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
     unknown = [n for n in names if n not in recipe_names()]
     if unknown:
         raise SystemExit(f"--recipes: unknown {unknown}; allowed: {recipe_names()}")
+    path = wikitext_dir() / "valid.txt" if args.dev else wikitext_dir()  # a file is split in two halves
     cfg = RunConfig(
         model=ModelConfig(),
-        data=DataConfig(name="wikitext-2", source="local", path=str(wikitext_dir()), n_samples=args.n_samples,
-                        seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples, eval_seq_len=args.seq_len),
+        data=DataConfig(name="wikitext-2-dev" if args.dev else "wikitext-2", source="local", path=str(path),
+                        n_samples=args.n_samples, seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples,
+                        eval_seq_len=args.seq_len),
         quant=load_recipe(names[0]), eval=EvalConfig(recipes=names), cache_dir=args.cache_dir)
+    if args.codebook_weighting:
+        cfg.codebooks.weighting = args.codebook_weighting
     cfg.export.enabled = cfg.check.enabled = False
     cfg.sensitivity.enabled = cfg.probes.enabled = cfg.gate.enabled = False
     return cfg

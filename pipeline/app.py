@@ -109,7 +109,7 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
     groups: dict[CalibGroup, list[int]] = {}
     for q in calibrated:
         bits = groups.setdefault(_group(q), [])
-        bits += [b for b in (q.key.bits, q.value.bits) if b not in bits]
+        bits += [t.bits for t in (q.key, q.value) if t.format == "nuq" and t.bits not in bits]  # codebooks to fit
     stages += _smooth_and_prefix_stages(cfg, lm, windows, recipes, groups)
     if any(not g.prefix for g in groups):
         stages.append(Stage("fisher", lambda inp, pr: fisher.fit(
@@ -119,7 +119,7 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
         ks, ol, cb = (f"{name}-{g.suffix}" for name in ("key_scales", "outliers", "codebooks"))
         ks_cfg = key_scales.KeyScalesConfig(outlier_fraction=g.fraction, n_sink=g.n_sink)
         cb_cfg = codebooks.CodebookConfig(bits=sorted(bits), n_bins=cfg.codebooks.n_bins,
-                                          lloyd_check=cfg.codebooks.lloyd_check)
+                                          lloyd_check=cfg.codebooks.lloyd_check, weighting=cfg.codebooks.weighting)
         extra = (["smooth"] if g.smooth else []) + (["prefix_tokens"] if g.prefix else [])
 
         def keys_of(inp, g):
@@ -213,6 +213,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     recipes = recipes_of(cfg)
     for q in recipes:  # refuse a bad recipe before any stage runs
         policy._validate_recipe(q)
+    if cfg.codebooks.weighting not in codebooks.WEIGHTINGS:
+        raise ValueError(f"codebooks.weighting must be one of {codebooks.WEIGHTINGS}, got {cfg.codebooks.weighting!r}")
     data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
     runner = Runner(cfg.cache_dir, lm.spec.model_sha256, data_id, log=log, show_progress=show_progress)
     results: dict[str, StageResult] = runner.run(build_stages(cfg, lm, windows, recipes))

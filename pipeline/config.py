@@ -118,6 +118,7 @@ class FisherConfig:
 class CodebookConfig:
     n_bins: int = 2048
     lloyd_check: bool = True
+    weighting: str = "fisher"          # fisher (KVQuant's public code) | fisher-scale2 (Fisher x scale^2, the paper's objective)
 
 
 @dataclass

@@ -4,9 +4,11 @@
 Points are the normalized inliers of the reservoir rows (sink positions excluded): keys with the static
 per-channel zero/range of key_scales, values per (token, head) after the per-token outlier rule -- exactly
 the normalization exporters.codec applies at encode time. Weights are the Fisher information of the same
-elements. The fit is the exact weighted 1-D k-means optimum on a binned histogram (stages.codebooks_kmeans);
-scikit-learn's Lloyd k-means (KVQuant's method) runs as a cross-check on a subsample, and the weighted
-squared error of both on all points is reported per layer.
+elements (`weighting="fisher"`, as KVQuant's public code), or Fisher times the square of the element's scale
+(`weighting="fisher-scale2"`, the paper's objective: an error e in the normalized space is an error range * e on
+the cached value, so its first-order loss is F * range^2 * e^2). The fit is the exact weighted 1-D k-means
+optimum on a binned histogram (stages.codebooks_kmeans); scikit-learn's Lloyd k-means (KVQuant's method) runs
+as a cross-check on a subsample, and the weighted squared error of both on all points is reported per layer.
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ class CodebookConfig:
     lloyd_check: bool = True
     lloyd_max_points: int = 50_000
     seed: int = 0
+    weighting: str = "fisher"          # fisher (KVQuant's public code) | fisher-scale2 (the paper's objective)
+
+
+WEIGHTINGS = ("fisher-scale2", "fisher")
 
 
 def normalized_keys(k: torch.Tensor, zero, rng, lower, upper, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,8 +45,8 @@ def normalized_keys(k: torch.Tensor, zero, rng, lower, upper, fraction: float) -
     return xn, mask
 
 
-def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """v [S, H, D] (reservoir rows as tokens) -> (xn, mask) with the codec's per-token rule."""
+def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """v [S, H, D] (reservoir rows as tokens) -> (xn, mask, range [S, H, 1]) with the codec's per-token rule."""
     x = v.permute(1, 0, 2)[None]  # [1, H, S, D]
     mask = torch.ones_like(x, dtype=torch.bool)
     if fraction > 0:
@@ -51,7 +57,7 @@ def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, t
     zero, rng = (mx + mn) / 2, (mx - mn) / 2
     mask = mask & (rng > 0)
     xn = torch.where(rng > 0, (x - zero) / torch.where(rng > 0, rng, 1), 0).clamp(-1, 1)
-    return xn[0].permute(1, 0, 2), mask[0].permute(1, 0, 2)
+    return xn[0].permute(1, 0, 2), mask[0].permute(1, 0, 2), rng[0].permute(1, 0, 2)
 
 
 def _fit_one(x: torch.Tensor, w: torch.Tensor, k: int, cfg: CodebookConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
@@ -74,6 +80,8 @@ def fit(keys: torch.Tensor, values: torch.Tensor, fisher_k: torch.Tensor, fisher
     bad = [b for b in cfg.bits if b not in ALLOWED_BITS or b == 8]
     if bad:
         raise ValueError(f"codebooks.bits must be in (2, 3, 4), got {cfg.bits}")
+    if cfg.weighting not in WEIGHTINGS:
+        raise ValueError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {cfg.weighting!r}")
     rows = sink_free_rows(res_pos, n_sink)
     keys, values, fisher_k, fisher_v = (t[rows].float() for t in (keys, values, fisher_k, fisher_v))
     n_layers = keys.shape[1]
@@ -85,9 +93,12 @@ def fit(keys: torch.Tensor, values: torch.Tensor, fisher_k: torch.Tensor, fisher
         for layer in range(n_layers):
             xk, mk = normalized_keys(keys[:, layer], scales["zero"][layer], scales["range"][layer],
                                      scales["lower"][layer], scales["upper"][layer], fraction)
-            xv, mv = normalized_values(values[:, layer], fraction)
-            for kind, x, m, f, books in (("k", xk, mk, fisher_k, k_books), ("v", xv, mv, fisher_v, v_books)):
-                centers, rep = _fit_one(x[m], f[:, layer][m], 2 ** bits, cfg, gen)
+            xv, mv, rv = normalized_values(values[:, layer], fraction)
+            wk, wv = fisher_k[:, layer], fisher_v[:, layer]
+            if cfg.weighting == "fisher-scale2":
+                wk, wv = wk * scales["range"][layer][None].square(), wv * rv.square()
+            for kind, x, m, w, books in (("k", xk, mk, wk, k_books), ("v", xv, mv, wv, v_books)):
+                centers, rep = _fit_one(x[m], w[m], 2 ** bits, cfg, gen)
                 books.append(centers)
                 report.setdefault(f"{kind}{bits}", []).append(rep)
         tensors[f"k_codebook_{bits}"] = torch.stack(k_books)

@@ -40,12 +40,23 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("data.seq_len=1", "data.seq_len must be >= 2 tokens, got 1"),
     ("data.n_samples=0", "data.n_samples must be >= 1, got 0"),
     ("data=local", "data.path"),
+    ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher'), got 'mse'"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, pattern):
     out = _run(["run", *TINY, override], tmp_path)
     assert out.returncode != 0
     assert pattern in out.stderr + out.stdout
     assert not (tmp_path / ".kvcalib_cache").exists() or not any((tmp_path / ".kvcalib_cache").rglob("*.safetensors"))
+
+
+def test_recipe_with_only_keys_quantized(tmp_path):
+    """nuq keys beside full-precision values: only the key bit-width gets a codebook (a 16-bit one cannot exist)."""
+    out = _run(["run", *TINY, "quant.name=nuq4-keys-only", "quant.value.format=fp16", "quant.value.bits=16",
+                "quant.value.outlier_fraction=0", "export.enabled=false", "check.enabled=false"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((Path(out.stdout.strip().splitlines()[-1].removeprefix("results: ")) / "summary.json").read_text())
+    row = summary["evaluation"]["recipes"]["nuq4-keys-only"]
+    assert 4 < row["avg_bits"] < 16 and row["kl"] > 0
 
 
 def test_llama3_without_weights_is_a_short_message(tmp_path):

@@ -64,6 +64,27 @@ def test_codebooks_fit_the_normalized_inliers():
         codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, codebooks.CodebookConfig(bits=[5]))
 
 
+def test_codebook_weighting_counts_the_scale():
+    """Channel 0 (range 1) spreads over [-1, -0.2]; channel 1 (range 100) sits at 0.2 / 0.6 / 1.0 normalized.
+    Fisher alone gives channel 0 two of the four levels; Fisher x range^2 (an error in channel 1 costs 10^4 times
+    more on the cached value) gives channel 1's three points a level each."""
+    ch0, ch1 = [-1.0, -0.8, -0.6, -0.4, -0.2], [0.2, 0.6, 1.0]
+    keys = _rows([[ch0[i % 5], 100 * ch1[i % 3]] for i in range(15)])
+    values = _rows([[float(i), float(-i)] for i in range(15)])
+    scales = {"zero": torch.zeros(1, 1, 2), "range": torch.tensor([[[1.0, 100.0]]])}
+    scales["lower"], scales["upper"] = -scales["range"], scales["range"]
+    w, pos = torch.ones(15, 1, 1, 2), torch.arange(15) + 1
+    books = {}
+    for weighting in ("fisher", "fisher-scale2"):
+        cfg = codebooks.CodebookConfig(bits=[2], n_bins=1024, lloyd_check=False, weighting=weighting)
+        books[weighting] = codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, cfg).tensors["k_codebook_2"][0]
+    assert int((books["fisher"] < 0).sum()) == 2
+    assert int((books["fisher-scale2"] < 0).sum()) == 1
+    assert books["fisher-scale2"][1:].tolist() == pytest.approx(ch1, abs=0.01)
+    with pytest.raises(ValueError, match=r"codebooks.weighting must be one of .*got 'mse'"):
+        codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, codebooks.CodebookConfig(bits=[2], weighting="mse"))
+
+
 def test_fisher_matches_autograd_on_one_element(tiny, tiny_windows):
     windows = tiny_windows.calib[:2]
     res_sample, res_pos = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 10])
