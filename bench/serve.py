@@ -27,6 +27,14 @@ from pipeline.model import load_model
 from runtime_check.cache import ArtifactCache
 from stages.probes import passkey_prompt
 
+def greedy(model, prompt: torch.Tensor, n: int, cache) -> torch.Tensor:
+    """n greedy new tokens (exactly n: EOS cannot end one run early) through model.generate with the given cache."""
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False)
+    return out[0, prompt.shape[1]:]
+
+
 def fill(model, cache, ids: torch.Tensor, chunk: int = 1024) -> None:
     with torch.no_grad():
         for s in range(0, ids.shape[1], chunk):
