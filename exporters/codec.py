@@ -52,7 +52,8 @@ class TensorPolicy:
     upper: torch.Tensor | None = None       # [H, D]
     fp8_scale: torch.Tensor | None = None   # [] or [H]                            (fp8)
 
-    def validate(self, where: str = "policy") -> None:
+    def validate_config(self, where: str = "policy") -> None:
+        """The configured fields alone (no calibrated tensors): what a recipe can be refused for before any stage."""
         if self.format not in FORMATS:
             raise CodecError(f"{where}.format must be one of {FORMATS}, got {self.format!r}")
         if self.axis not in AXES[self.format]:
@@ -65,6 +66,9 @@ class TensorPolicy:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
         if self.format == "uniform" and self.axis == "channel" and self.group_size < 1:
             raise CodecError(f"{where}.group_size must be >= 1 for per-channel uniform, got {self.group_size}")
+
+    def validate(self, where: str = "policy") -> None:
+        self.validate_config(where)
         if self.format == "nuq":
             if self.codebook is None or self.codebook.numel() != 2 ** self.bits:
                 got = None if self.codebook is None else self.codebook.numel()

@@ -14,6 +14,10 @@ def needs_calibration(q: QuantConfig) -> bool:
 
 
 def _validate_recipe(q: QuantConfig) -> None:
+    for kind in ("key", "value"):
+        t = getattr(q, kind)
+        TensorPolicy(format=t.format, bits=t.bits, axis=t.axis, group_size=t.group_size,
+                     outlier_fraction=t.outlier_fraction, fp8_dtype=t.fp8_dtype).validate_config(f"quant.{kind}")
     if q.key_rope not in KEY_ROPE:
         raise CodecError(f"quant.key_rope must be one of {KEY_ROPE}, got {q.key_rope!r}")
     for name in ("n_sink", "residual"):

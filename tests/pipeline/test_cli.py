@@ -40,6 +40,7 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("data.seq_len=1", "data.seq_len must be >= 2 tokens, got 1"),
     ("data.n_samples=0", "data.n_samples must be >= 1, got 0"),
     ("data=local", "data.path"),
+    ("quant.value.format=fp16", "quant.value.axis for format fp16 must be one of ('tensor',), got 'token'"),
     ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher'), got 'mse'"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, pattern):
@@ -51,7 +52,7 @@ def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, patte
 
 def test_recipe_with_only_keys_quantized(tmp_path):
     """nuq keys beside full-precision values: only the key bit-width gets a codebook (a 16-bit one cannot exist)."""
-    out = _run(["run", *TINY, "quant.name=nuq4-keys-only", "quant.value.format=fp16", "quant.value.bits=16",
+    out = _run(["run", *TINY, "quant.name=nuq4-keys-only", "quant.value.format=fp16", "quant.value.bits=16", "quant.value.axis=tensor",
                 "quant.value.outlier_fraction=0", "export.enabled=false", "check.enabled=false"], tmp_path)
     assert out.returncode == 0, out.stderr
     summary = json.loads((Path(out.stdout.strip().splitlines()[-1].removeprefix("results: ")) / "summary.json").read_text())

@@ -117,7 +117,7 @@ def test_residual_must_be_a_multiple_of_the_group():
 
 def test_bits_outside_the_allowed_set():
     q = QuantConfig(name="x", key=TensorQuantConfig(format="uniform", bits=5, axis="token"))
-    with pytest.raises(CodecError, match=r"quant.key \(layer 0\).bits must be one of \(2, 3, 4, 8\), got 5"):
+    with pytest.raises(CodecError, match=r"quant.key.bits must be one of \(2, 3, 4, 8\), got 5"):
         policy.build(q, 1, {})
 
 
