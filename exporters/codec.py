@@ -260,9 +260,19 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Little-endian bit packing along the flattened last axis: element i occupies bits [i*b, (i+1)*b) of the
     byte stream. codes: [..., D] uint8 -> [..., ceil(D*b/8)] uint8."""
     *lead, d = codes.shape
+    n_bytes = -(-d * bits // 8)
+    if 8 % bits == 0:  # 2, 4, 8 bits: whole codes per byte, element j of a byte at bits [j*b, (j+1)*b)
+        per = 8 // bits
+        flat = codes.reshape(-1, d)
+        if n_bytes * per != d:
+            flat = torch.cat([flat, flat.new_zeros(flat.shape[0], n_bytes * per - d)], 1)
+        parts = flat.view(-1, n_bytes, per)
+        packed = parts[:, :, 0].clone()
+        for j in range(1, per):
+            packed |= parts[:, :, j] << (bits * j)
+        return packed.view(*lead, n_bytes)
     flat = codes.reshape(-1, d).to(torch.int64)
     bit_pos = torch.arange(d) * bits
-    n_bytes = -(-d * bits // 8)
     out = torch.zeros(flat.shape[0], n_bytes * 8, dtype=torch.int64)
     for k in range(bits):
         out[:, bit_pos + k] = (flat >> k) & 1
@@ -273,6 +283,12 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     *lead, n_bytes = packed.shape
+    if 8 % bits == 0:
+        per, mask = 8 // bits, (1 << bits) - 1
+        flat = packed.reshape(-1, n_bytes, 1)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        codes = ((flat >> shifts) & mask).view(-1, n_bytes * per)[:, :d]
+        return codes.reshape(*lead, d)
     flat = packed.reshape(-1, n_bytes).to(torch.int64)
     bit_stream = ((flat[:, :, None] >> torch.arange(8)) & 1).view(flat.shape[0], n_bytes * 8)
     bit_pos = torch.arange(d) * bits

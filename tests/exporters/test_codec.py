@@ -124,6 +124,16 @@ def test_pack_unpack_round_trip(bits, d, rows, seed):
     assert torch.equal(unpack_codes(packed, bits, d), codes)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_matches_a_big_integer_reference(bits):
+    """Element i at bits [i*b, (i+1)*b) of a little-endian byte stream, checked against Python integers."""
+    codes = torch.randint(0, 2 ** bits, (3, 37), generator=torch.Generator().manual_seed(bits), dtype=torch.uint8)
+    n_bytes = -(-37 * bits // 8)
+    for row, packed in zip(codes.tolist(), pack_codes(codes, bits).tolist()):
+        value = sum(c << (i * bits) for i, c in enumerate(row))
+        assert bytes(packed) == value.to_bytes(n_bytes, "little")
+
+
 def test_pack_layout_is_little_endian():
     assert pack_codes(torch.tensor([[1, 2, 3, 0]], dtype=torch.uint8), 2).tolist() == [[1 | 2 << 2 | 3 << 4]]
 
