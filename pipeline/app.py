@@ -213,8 +213,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     recipes = recipes_of(cfg)
     for q in recipes:  # refuse a bad recipe before any stage runs
         policy._validate_recipe(q)
-    if cfg.codebooks.weighting not in codebooks.WEIGHTINGS:
-        raise ValueError(f"codebooks.weighting must be one of {codebooks.WEIGHTINGS}, got {cfg.codebooks.weighting!r}")
+    codebooks.check_weighting(cfg.codebooks.weighting)
     data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
     runner = Runner(cfg.cache_dir, lm.spec.model_sha256, data_id, log=log, show_progress=show_progress)
     results: dict[str, StageResult] = runner.run(build_stages(cfg, lm, windows, recipes))

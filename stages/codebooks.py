@@ -36,6 +36,11 @@ class CodebookConfig:
 WEIGHTINGS = ("fisher-scale2", "fisher")
 
 
+def check_weighting(weighting: str) -> None:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+
+
 def normalized_keys(k: torch.Tensor, zero, rng, lower, upper, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """k [S, H, D] -> (xn [S, H, D], mask of points that enter the fit: inliers of non-constant channels)."""
     mask = (rng[None] > 0).expand_as(k)
@@ -80,8 +85,7 @@ def fit(keys: torch.Tensor, values: torch.Tensor, fisher_k: torch.Tensor, fisher
     bad = [b for b in cfg.bits if b not in ALLOWED_BITS or b == 8]
     if bad:
         raise ValueError(f"codebooks.bits must be in (2, 3, 4), got {cfg.bits}")
-    if cfg.weighting not in WEIGHTINGS:
-        raise ValueError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {cfg.weighting!r}")
+    check_weighting(cfg.weighting)
     rows = sink_free_rows(res_pos, n_sink)
     keys, values, fisher_k, fisher_v = (t[rows].float() for t in (keys, values, fisher_k, fisher_v))
     n_layers = keys.shape[1]
