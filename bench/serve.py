@@ -23,7 +23,7 @@ from bench.common import wikitext_dir, write_json
 from exporters.ledger import expected_outliers, predict_bytes
 from exporters.native import load_artifact
 from pipeline.config import ModelConfig
-from pipeline.data import _read_text, tokenize
+from pipeline.data import read_text, tokenize
 from pipeline.model import load_model
 from runtime_check.cache import ArtifactCache
 from stages.probes import passkey_prompt
@@ -67,7 +67,7 @@ def main() -> None:
     art = load_artifact(args.artifact, lm.spec)  # strict: refuses an artifact made for another model
     policy, spec = art.policy, lm.spec
     model, tok = lm.model, lm.tokenizer
-    ids = tokenize(tok, _read_text(wikitext_dir() / "test.txt", "text"))
+    ids = tokenize(tok, read_text(wikitext_dir() / "test.txt", "text"))
 
     # Free-running greedy agreement is position by position: after the first differing token the two texts part,
     # so it compounds the per-step disagreement. The forced agreement is the per-step one: the artifact's greedy

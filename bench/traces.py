@@ -9,7 +9,7 @@ import time
 
 from bench.common import wikitext_dir, write_json
 from pipeline.config import DataConfig, ModelConfig, TracesConfig
-from pipeline.data import random_windows, tokenize, _read_text
+from pipeline.data import random_windows, tokenize, read_text
 from pipeline.model import load_model
 from pipeline.runner import peak_rss_mb
 from stages import traces
@@ -26,9 +26,9 @@ def main() -> None:
     start = time.perf_counter()
     source = "embedded" if args.model == "smollm2" else "tiny"
     lm = load_model(ModelConfig(name=args.model, source=source))
-    ids = tokenize(lm.tokenizer, _read_text(wikitext_dir() / "valid.txt", DataConfig.text_field))
+    ids = tokenize(lm.tokenizer, read_text(wikitext_dir() / "valid.txt", DataConfig.text_field))
     windows = random_windows(ids, args.n_samples, args.seq_len, seed=0)
-    result = traces.fit(lm.model, lm.spec, windows, TracesConfig(reservoir_size=args.reservoir))
+    result = traces.fit(traces.Inputs(lm.model, lm.spec, windows), TracesConfig(reservoir_size=args.reservoir))
     wall = time.perf_counter() - start
     payload = {"wall_s": round(wall, 2), "peak_rss_mb": round(peak_rss_mb(), 1), "tokens": int(windows.numel())}
     print(f"traces {args.model} {args.n_samples}x{args.seq_len}: wall {payload['wall_s']} s (model load included), "

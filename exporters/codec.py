@@ -30,6 +30,8 @@ AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "
 ALLOWED_BITS = (2, 3, 4, 8)
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 MAX_OUTLIER_FRACTION = 0.1
+# TensorPolicy's calibrated tensors (what calibration fills in and the artifact stores), in artifact order
+CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
 
 
 class CodecError(ValueError):
@@ -81,6 +83,10 @@ class TensorPolicy:
             raise CodecError(f"{where}: channel outliers need calibrated lower and upper bounds")
         if self.format == "fp8" and self.fp8_scale is None:
             raise CodecError(f"{where}: fp8 needs a calibrated fp8_scale")
+
+    def calibrated(self) -> dict[str, torch.Tensor]:
+        """The calibrated tensors this policy holds, by field name, in CALIBRATED_FIELDS order."""
+        return {name: t for name in CALIBRATED_FIELDS if (t := getattr(self, name)) is not None}
 
     @property
     def is_full_precision(self) -> bool:
@@ -254,7 +260,7 @@ def fp8_scale_from_amax(amax: torch.Tensor, fp8_dtype: str = "e4m3") -> torch.Te
     return torch.where(s > 0, s, torch.ones_like(s))
 
 
-# ---- packing and the byte ledger ------------------------------------------------------------------------
+# ---- packing ----------------------------------------------------------------------------------------------
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Little-endian bit packing along the flattened last axis: element i occupies bits [i*b, (i+1)*b) of the
@@ -296,30 +302,65 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     return codes.to(torch.uint8).view(*lead, d)
 
 
+# ---- the size model ---------------------------------------------------------------------------------------
+# The one definition of how many bits the stored form takes. Evaluation (encoded_bits -> avg_bits), the byte
+# ledger (exporters/ledger.py) and the runtime cache (runtime_check/cache.py) all count through it.
+
+FULL_PRECISION_BITS = 16   # fp16 values: format fp16, sink rows, residual rows
+FP8_BITS = 8
 SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_COUNT_BITS = 16, 16, 16
 SCALE_BITS = 16    # per-token / per-group scales and zero-points (fp16)
 STATIC_BITS = 32   # per-layer calibrated tensors, stored float32 in the artifact
 
 
-def encoded_bits(e: Encoded, p: TensorPolicy) -> int:
-    """Bits this encoded tensor occupies per the ledger: codes, per-token/per-group scales and zero-points,
-    and sparse outliers (fp16 value + 16-bit index within the token's row of H*D entries each, and a 16-bit
-    outlier count per token row)."""
-    b, h, t, d = e.shape
+def full_precision_bits(b: int, h: int, t: int, d: int) -> int:
+    """t rows of [B, H, D] held in fp16."""
+    return b * h * t * d * FULL_PRECISION_BITS
+
+
+def code_row_bits(p: TensorPolicy, d: int) -> int:
+    """One (token, head) row of d codes as pack_codes stores it: ceil(d * bits / 8) whole bytes."""
+    return 8 * -(-d * p.bits // 8)
+
+
+def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None = None) -> int:
+    """t encoded rows of [B, H, D] without the sparse outliers: fp16 / fp8 values, or packed codes plus an fp16
+    scale and zero-point per (token, head) (axis token) or per (group, head, channel) (uniform, axis channel).
+    n_groups: scale groups of a per-channel uniform tensor; by default ceil(t / group_size), a partial last
+    group included (what encode produces; the cache only ever stores whole groups)."""
     if p.format == "fp16":
-        return b * h * t * d * 16
+        return full_precision_bits(b, h, t, d)
     if p.format == "fp8":
-        return b * h * t * d * 8
-    bits = b * h * t * d * p.bits
-    for s in (e.scale, e.zero):
-        if s is not None:
-            bits += s.numel() * SCALE_BITS
-    if p.outlier_fraction > 0:
-        bits += e.n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS) + b * t * SPARSE_ROW_COUNT_BITS
+        return b * h * t * d * FP8_BITS
+    bits = b * h * t * code_row_bits(p, d)
+    if p.axis == "token":
+        bits += b * h * t * 2 * SCALE_BITS
+    elif p.format == "uniform":
+        groups = -(-t // p.group_size) if n_groups is None else n_groups
+        bits += b * h * groups * d * 2 * SCALE_BITS
     return bits
+
+
+def sparse_bits(p: TensorPolicy, b: int, t: int, n_outliers: int | float) -> int | float:
+    """Sparse outliers of t encoded rows: an fp16 value + a 16-bit index within the token's row of H*D entries
+    per outlier, and a 16-bit outlier count per token row. n_outliers may be an expected (fractional) count."""
+    if p.format not in ("uniform", "nuq") or p.outlier_fraction <= 0:
+        return 0
+    return b * t * SPARSE_ROW_COUNT_BITS + n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS)
+
+
+def stored_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_outliers: int | float = 0,
+                n_groups: int | None = None) -> int | float:
+    """t encoded rows of one layer's K or V ([B, H, t, D]) under p; the per-layer static tensors excluded."""
+    return dense_bits(p, b, h, t, d, n_groups) + sparse_bits(p, b, t, n_outliers)
+
+
+def encoded_bits(e: Encoded, p: TensorPolicy) -> int:
+    """Bits this encoded tensor occupies in the stored form (see stored_bits)."""
+    b, h, t, d = e.shape
+    return stored_bits(p, b, h, t, d, e.n_outliers)
 
 
 def static_bits(p: TensorPolicy) -> int:
     """Per-layer calibrated tensors a consumer loads once: codebook, static zero/range/bounds, fp8 scales."""
-    return sum(t.numel() * STATIC_BITS for t in (p.codebook, p.zero, p.range, p.lower, p.upper, p.fp8_scale)
-               if t is not None)
+    return sum(t.numel() * STATIC_BITS for t in p.calibrated().values())

@@ -1,15 +1,14 @@
-"""The byte ledger: bytes a cache in the exported format holds for a sequence of T tokens (seed 000 0x04).
+"""The byte ledger: bytes a cache in the exported format holds for a sequence of T tokens.
 
-Matches runtime_check/cache.py's layout exactly (sink rows fp16, residual rows fp16, packed codes, fp16
-per-token / per-group scales and zero-points, sparse outliers at 4 bytes each + a 2-byte count per token row,
-per-layer static tensors in float32); the outlier count is the only data-dependent term and uses the expected
-fraction measured on evaluation text (manifest `outliers.expected_fraction`).
+Matches runtime_check/cache.py's layout exactly: sink and residual rows in fp16, the encoded rows and the
+per-layer static tensors as the codec's size model counts them (exporters.codec.stored_bits / static_bits:
+packed codes, fp16 per-token / per-group scales and zero-points, sparse outliers at 4 bytes each + a 2-byte
+count per token row, static tensors in float32). The outlier count is the only data-dependent term and uses the
+expected fraction measured on evaluation text (manifest `outliers.expected_fraction`).
 """
 from __future__ import annotations
 
-import math
-
-from exporters.codec import CachePolicy, TensorPolicy
+from exporters.codec import CachePolicy, TensorPolicy, dense_bits, full_precision_bits, sparse_bits, static_bits
 
 
 def full_precision_rows(policy: CachePolicy, p: TensorPolicy, t: int) -> int:
@@ -28,21 +27,12 @@ def tensor_bytes(policy: CachePolicy, p: TensorPolicy, t: int, h: int, d: int, b
     """One layer's K or V at length t."""
     n_fp = full_precision_rows(policy, key_policy or p, t)
     n_q = t - n_fp
-    static = sum(x.numel() * 4 for x in (p.codebook, p.zero, p.range, p.lower, p.upper, p.fp8_scale) if x is not None)
-    total = batch * h * n_fp * d * 2 + static
-    if p.format == "fp16":
-        return total + batch * h * n_q * d * 2
-    if p.format == "fp8":
-        return total + batch * h * n_q * d
-    total += batch * h * n_q * math.ceil(d * p.bits / 8)
-    if p.axis == "token":
-        total += batch * h * n_q * 2 * 2                       # fp16 scale + zero per (token, head)
-    elif p.format == "uniform":
-        total += batch * h * (n_q // max(p.group_size, 1)) * d * 2 * 2  # per group of tokens and channel
-    if p.outlier_fraction > 0:
-        frac = p.outlier_fraction if outlier_fraction is None else outlier_fraction
-        total += batch * n_q * 2 + frac * batch * h * n_q * d * 4
-    return total
+    groups = n_q // max(p.group_size, 1)          # per-channel groups: the cache encodes whole groups only
+    frac = p.outlier_fraction if outlier_fraction is None else outlier_fraction
+    exact = static_bits(p) + full_precision_bits(batch, h, n_fp, d) + dense_bits(p, batch, h, n_q, d, n_groups=groups)
+    sparse = sparse_bits(p, batch, n_q, frac * batch * h * n_q * d)   # expected outliers: may be fractional
+    # whole bytes first, the fractional outlier term last
+    return exact // 8 + (sparse // 8 if isinstance(sparse, int) else sparse / 8)
 
 
 def predict_bytes(policy: CachePolicy, t: int, h: int, d: int, batch: int = 1,

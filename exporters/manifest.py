@@ -14,13 +14,12 @@ from typing import Any
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy
-from pipeline.hashing import sha256_tensor
+from exporters.checksums import sha256_tensor
 
 FORMAT_NAME = "kvcalib.kv-cache"
 FORMAT_VERSION = 1
 TENSOR_FILE = "tensors.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
-POLICY_TENSORS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
 
 
 class ManifestError(ValueError):
@@ -79,12 +78,10 @@ def validate_schema(manifest: Any) -> None:
 
 def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None) -> dict:
     names = {}
-    for name in POLICY_TENSORS:
-        t = getattr(p, name)
-        if t is not None:
-            key = f"{prefix}.{name}"
-            tensors[key] = t.detach().float().contiguous().cpu()
-            names[name] = key
+    for name, t in p.calibrated().items():
+        key = f"{prefix}.{name}"
+        tensors[key] = t.detach().float().contiguous().cpu()
+        names[name] = key
     rule = "none"
     if p.outlier_fraction > 0:
         rule = "static_channel_bounds" if p.axis == "channel" else "per_token_quantile"

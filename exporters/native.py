@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from exporters.codec import CachePolicy
 from exporters.manifest import (TENSOR_FILE, ChecksumError, ManifestError, SchemaError, check_model, check_tensors,
                                 policy_from_manifest, validate_schema)
-from pipeline.hashing import sha256_file
+from exporters.checksums import sha256_file
 
 MANIFEST_FILE = "manifest.json"
 

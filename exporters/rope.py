@@ -30,3 +30,12 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     angles = positions.to(torch.float64)[:, None] * inv_freq[None]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
+
+
+def rotary_tables(rotary, start: int, n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [1, n, D] at positions start..start+n-1 from a model's own rotary module (so Llama-3 and other
+    RoPE scalings are honoured), computed for inputs of `dtype` on the module's device. The one definition
+    that evaluation, the oracle and calibration use to rotate keys."""
+    device = rotary.inv_freq.device
+    positions = torch.arange(start, start + n, device=device)[None]
+    return rotary(torch.zeros(1, n, 1, dtype=dtype, device=device), positions)

@@ -11,7 +11,7 @@ from exporters.codec import CachePolicy
 from exporters.ledger import predict_bytes
 from pipeline.runner import Runner, Stage
 from stages import evaluate, gate, layer_policy, probes, sensitivity
-from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks
+from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
 
 
 def select_policy(cfg, lm, windows, runner: Runner, results: dict, policies: dict[str, CachePolicy]) -> tuple[CachePolicy, dict]:
@@ -20,16 +20,17 @@ def select_policy(cfg, lm, windows, runner: Runner, results: dict, policies: dic
     lp = cfg.layer_policy
     sens_cfg = sensitivity.SensitivityConfig(n_windows=lp.n_windows, buckets=[0], variants=["kv"])
     stages = [Stage(f"sensitivity-calib-{name}", lambda inp, pr, name=name: sensitivity.fit(
-        lm.model, lm.spec, windows.calib, policies[name], sens_cfg, pr),
+        sensitivity.Inputs(lm.model, lm.spec, windows.calib, policies[name]), sens_cfg, pr),
         config={"cfg": sens_cfg, "recipe": name}, deps=["evaluate"], units=lm.spec.n_layers) for name in lp.options]
     sens = runner.run(stages, given=results)
     recipes = results["evaluate"].meta["recipes"]
     options = [layer_policy.Option(name, recipes[name]["avg_bits"], sens[f"sensitivity-calib-{name}"].tensors["kl"][2])
                for name in lp.options]
-    choice = layer_policy.fit(options, lp.budget)
+    choice = layer_policy.fit(options, lp)
     name = f"mixed-{lp.budget:g}b"
     mixed = layer_policy.assemble([policies[o] for o in lp.options], choice.tensors["choice"].tolist(), name)
-    ev = runner.run([Stage("evaluate-mixed", lambda inp, pr: evaluate.fit(lm.model, lm.spec, windows.eval, [mixed], pr),
+    ev = runner.run([Stage("evaluate-mixed", lambda inp, pr: evaluate.fit(
+                               evaluate.Inputs(lm.model, lm.spec, windows.eval, [mixed]), cfg.eval, pr),
                            config={"choice": choice.meta["choice"]}, deps=["evaluate"],
                            units=windows.eval.shape[0])], given=results)
     return mixed, {"layer_policy": choice.meta, "recipe": ev["evaluate-mixed"].meta["recipes"][name]}
@@ -41,13 +42,14 @@ def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) 
     given = dict(results)
     stages = []
     if cfg.sensitivity.enabled:
-        stages.append(Stage("sensitivity", lambda inp, pr: sensitivity.fit(lm.model, lm.spec, windows.eval, target,
-                                                                         cfg.sensitivity, pr),
+        stages.append(Stage("sensitivity", lambda inp, pr: sensitivity.fit(
+                                sensitivity.Inputs(lm.model, lm.spec, windows.eval, target), cfg.sensitivity, pr),
                             config={"cfg": cfg.sensitivity, "policy": target.name}, deps=["evaluate"],
                             units=lm.spec.n_layers * min(cfg.sensitivity.n_windows, windows.eval.shape[0])))
     if cfg.probes.enabled:
         prompts = probes.make_prompts(lm.tokenizer, cfg.probes)
-        stages.append(Stage("probes", lambda inp, pr: probes.fit(lm.model, lm.spec, prompts, [target], pr),
+        stages.append(Stage("probes", lambda inp, pr: probes.fit(
+                                probes.Inputs(lm.model, lm.spec, prompts, [target]), cfg.probes, pr),
                             config={"cfg": cfg.probes, "policy": target.name}, deps=["evaluate"], units=len(prompts)))
     res = runner.run(stages, given=given) if stages else {}
     sens = None
@@ -63,7 +65,8 @@ def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) 
         passkey = {"fp16": res["probes"].meta["accuracy"]["fp16"], target.name: res["probes"].meta["accuracy"][target.name]}
         out["probes"] = res["probes"].meta
     if cfg.gate.enabled:
-        out["gate"] = gate.check(cfg.gate, target.name, results["evaluate"].meta["recipes"], sens, passkey)
+        out["gate"] = gate.fit(gate.Inputs(target.name, results["evaluate"].meta["recipes"], sens, passkey),
+                               cfg.gate).meta
     return out
 
 
@@ -73,7 +76,7 @@ def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, 
     ids = window[None]
     with torch.no_grad(), forward_hooks(hooks):
         ref = lm.model(ids, use_cache=False).logits[0].argmax(-1)
-        rope = evaluate.rope_tables(lm.model, ids)
+        rope = rope_tables(lm.model, ids)
         with attention_override(lm.model, evaluate.quantized_attention(target, pre, rope, None)):
             got = lm.model(ids, use_cache=False).logits[0].argmax(-1)
     tok = lm.tokenizer

@@ -1,9 +1,10 @@
 """One pipeline run: model + windows -> the stage graph -> results in the run directory.
 
-The graph: traces -> fisher -> (per outlier fraction) key_scales -> outliers -> codebooks -> evaluate.
+The graph: traces -> fisher -> (per calibration group) key_scales -> outliers -> codebooks -> evaluate.
 Smoothed recipes add traces -> smooth (their key stages fit K / lambda); prefix recipes add traces ->
 prefix_tokens -> traces-prefix -> fisher-prefix (their key stages fit the rows after the prefix).
-Stages are pure (stages/); this module only wires them, and the runner owns caching, timing and files.
+Stages are pure (stages/): this module only names them, says which results feed which, and hands the runner
+(pipeline/runner.py) the graph; the runner owns caching, timing and files.
 """
 from __future__ import annotations
 
@@ -12,30 +13,19 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from exporters.rope import apply_rope
-from pipeline.config import QuantConfig, RunConfig, load_recipe
-from pipeline.data import build_windows
+from exporters.checksums import sha256_json
 from exporters.native import update_manifest
 from pipeline import analysis
+from pipeline.config import QuantConfig, RunConfig, load_recipe
+from pipeline.data import build_windows
+from pipeline.errors import GateError, RuntimeCheckError
 from pipeline.export import export
-from pipeline.hashing import sha256_json
 from pipeline.model import LoadedModel, load_model
 from pipeline.runner import Runner, Stage, peak_rss_mb
-from stages import (codebooks, evaluate, fisher, key_scales, outliers, policy, prefix_tokens, smooth_attention,
+from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
                     traces)
 from stages.base import StageResult
-from stages.evaluate import rope_tables
-
-class GateError(RuntimeError):
-    """The artifact crossed a drift-gate threshold; the message names the offending cells. `out` carries the
-    run's results (written before the gate failed) so they can still be recorded."""
-
-    def __init__(self, message: str, out: dict | None = None):
-        super().__init__(message)
-        self.out = out
-
+from stages.calibration_rows import rows_for
 
 CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales", "outliers", "codebooks")
 
@@ -63,10 +53,6 @@ class CalibGroup:
     def fisher(self) -> str:
         return "fisher-prefix" if self.prefix else "fisher"
 
-    def n_sink_of(self, inp: dict[str, StageResult]) -> int:
-        """Rows excluded by position: the recipe's sinks, or the whole prefix (kept in full precision)."""
-        return max(self.n_sink, int(inp["prefix_tokens"].tensors["ids"].numel())) if self.prefix else self.n_sink
-
 
 def _group(q: QuantConfig) -> CalibGroup:
     return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope, q.smooth, q.prefix)
@@ -82,77 +68,57 @@ def recipes_of(cfg: RunConfig) -> list[QuantConfig]:
     return out
 
 
-def calibration_keys(res: StageResult, lm: LoadedModel, key_rope: str,
-                     smooth: torch.Tensor | None = None) -> torch.Tensor:
-    """Reservoir key rows in the space the recipe quantizes: pre-RoPE as recorded, or rotated to post-RoPE;
-    divided by the SmoothAttention lambda [L, H, D] when given (RoPE pairs share lambda, so the order is free)."""
-    k = res.tensors["res_k"]
-    if smooth is not None:
-        k = k / smooth[None]
-    if key_rope == "pre":
-        return k
-    pos = res.tensors["res_pos"]
-    tables = rope_tables(lm.model, torch.zeros(1, int(pos.max()) + 1, dtype=torch.long))
-    cos, sin = tables["cos"][0, pos], tables["sin"][0, pos]  # [S, D]
-    s, n_layers, h, d = k.shape
-    rows = k.permute(1, 2, 0, 3).reshape(1, n_layers * h, s, d)  # rows as a [1, L*H, S, D] "sequence"
-    rot = apply_rope(rows, cos, sin)
-    return rot.view(n_layers, h, s, d).permute(2, 0, 1, 3).contiguous()
-
-
 def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantConfig]) -> list[Stage]:
-    spec = lm.spec
+    spec, model = lm.spec, lm.model
     n_calib = windows.calib.shape[0]
-    stages = [Stage("traces", lambda inp, pr: traces.fit(lm.model, spec, windows.calib, cfg.traces, pr),
+    stages = [Stage("traces", lambda inp, pr: traces.fit(traces.Inputs(model, spec, windows.calib), cfg.traces, pr),
                     config=cfg.traces, units=n_calib)]
-    calibrated = [q for q in recipes if policy.needs_calibration(q)]
     groups: dict[CalibGroup, list[int]] = {}
-    for q in calibrated:
-        bits = groups.setdefault(_group(q), [])
-        bits += [t.bits for t in (q.key, q.value) if t.format == "nuq" and t.bits not in bits]  # codebooks to fit
+    for q in recipes:
+        if recipe.needs_calibration(q):
+            groups.setdefault(_group(q), []).extend(recipe.codebook_bits(q))
     stages += _smooth_and_prefix_stages(cfg, lm, windows, recipes, groups)
     if any(not g.prefix for g in groups):
-        stages.append(Stage("fisher", lambda inp, pr: fisher.fit(
-            lm.model, spec, windows.calib, inp["traces"].tensors["res_sample"], inp["traces"].tensors["res_pos"], pr),
-            config={"loss": "causal-lm-sum"}, deps=["traces"], units=n_calib))
+        stages.append(Stage("fisher", lambda inp, pr: fisher.fit(fisher.Inputs(
+            model, spec, windows.calib, inp["traces"].tensors["res_sample"], inp["traces"].tensors["res_pos"]),
+            cfg.fisher, pr), config={"loss": "causal-lm-sum"}, deps=["traces"], units=n_calib))
+    dtype = next(model.parameters()).dtype
     for g, bits in groups.items():
         ks, ol, cb = (f"{name}-{g.suffix}" for name in ("key_scales", "outliers", "codebooks"))
-        ks_cfg = key_scales.KeyScalesConfig(outlier_fraction=g.fraction, n_sink=g.n_sink)
-        cb_cfg = codebooks.CodebookConfig(bits=sorted(bits), n_bins=cfg.codebooks.n_bins,
-                                          lloyd_check=cfg.codebooks.lloyd_check, weighting=cfg.codebooks.weighting)
         extra = (["smooth"] if g.smooth else []) + (["prefix_tokens"] if g.prefix else [])
+        bits = sorted(set(bits))
 
-        def keys_of(inp, g):
-            lam = inp["smooth"].tensors["smooth"] if g.smooth else None
-            return calibration_keys(inp[g.traces], lm, g.key_rope, lam)
+        def rows(inp, g, with_fisher=False):
+            n_sink = g.n_sink
+            if g.prefix:  # the whole prefix is kept in full precision, like sink rows
+                n_sink = max(n_sink, int(inp["prefix_tokens"].tensors["ids"].numel()))
+            return rows_for(inp[g.traces].tensors, g.key_rope, model.model.rotary_emb, dtype, n_sink,
+                            smooth=inp["smooth"].tensors["smooth"] if g.smooth else None,
+                            fisher=inp[g.fisher].tensors if with_fisher else None)
 
-        def fit_scales(inp, pr, g=g, ks_cfg=ks_cfg):
-            cfg_eff = key_scales.KeyScalesConfig(outlier_fraction=ks_cfg.outlier_fraction, n_sink=g.n_sink_of(inp))
-            return key_scales.fit(keys_of(inp, g), inp[g.traces].tensors["res_pos"], cfg_eff)
+        def fit_scales(inp, pr, g=g):
+            return key_scales.fit(rows(inp, g), key_scales.KeyScalesConfig(outlier_fraction=g.fraction))
 
         def fit_outliers(inp, pr, g=g, ks=ks):
-            t, s = inp[g.traces].tensors, inp[ks].tensors
-            return outliers.fit(keys_of(inp, g), t["res_v"], t["res_pos"], s["lower"], s["upper"], g.fraction,
-                                g.n_sink_of(inp))
+            s = inp[ks].tensors
+            return outliers.fit(outliers.Inputs(rows(inp, g), s["lower"], s["upper"]),
+                                outliers.OutliersConfig(fraction=g.fraction))
 
-        def fit_codebooks(inp, pr, g=g, ks=ks, cb_cfg=cb_cfg):
-            t, f = inp[g.traces].tensors, inp[g.fisher].tensors
-            fisher_k = f["fisher_k"]
-            if g.smooth:  # the stored element is k / lambda: dL/d(k / lambda) = lambda dL/dk
-                fisher_k = fisher_k * inp["smooth"].tensors["smooth"][None].square()
-            return codebooks.fit(keys_of(inp, g), t["res_v"], fisher_k, f["fisher_v"], t["res_pos"], inp[ks].tensors,
-                                 g.fraction, g.n_sink_of(inp), cb_cfg)
+        def fit_codebooks(inp, pr, g=g, ks=ks, bits=bits):
+            return codebooks.fit(codebooks.Inputs(rows(inp, g, with_fisher=True), inp[ks].tensors, g.fraction, bits),
+                                 cfg.codebooks)
 
-        stages += [Stage(ks, fit_scales, ks_cfg, deps=[g.traces, *extra]),
-                   Stage(ol, fit_outliers, {"fraction": g.fraction, "n_sink": g.n_sink, "rope": g.key_rope},
-                         deps=[g.traces, ks, *extra]),
-                   Stage(cb, fit_codebooks, cb_cfg, deps=[g.traces, g.fisher, ks, *extra])]
+        group_cfg = {"fraction": g.fraction, "n_sink": g.n_sink, "rope": g.key_rope}
+        stages += [Stage(ks, fit_scales, group_cfg, deps=[g.traces, *extra]),
+                   Stage(ol, fit_outliers, group_cfg, deps=[g.traces, ks, *extra]),
+                   Stage(cb, fit_codebooks, {**group_cfg, "bits": bits, "cfg": cfg.codebooks},
+                         deps=[g.traces, g.fisher, ks, *extra])]
     if cfg.eval.enabled:
         deps = [s.name for s in stages]
 
         def run_eval(inp, pr):
-            policies = [policy.build(q, spec.n_layers, calibration_tensors(q, inp)) for q in recipes]
-            return evaluate.fit(lm.model, spec, windows.eval, policies, pr)
+            policies = [recipe.build_policy(q, spec.n_layers, calibration_tensors(q, inp)) for q in recipes]
+            return evaluate.fit(evaluate.Inputs(model, spec, windows.eval, policies), cfg.eval, pr)
 
         stages.append(Stage("evaluate", run_eval, config={"recipes": [q for q in recipes]}, deps=deps,
                             units=windows.eval.shape[0]))
@@ -163,11 +129,11 @@ def _smooth_and_prefix_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes:
                               groups: dict[CalibGroup, list[int]]) -> list[Stage]:
     """smooth (lambda from the plain traces), prefix_tokens (discovered on the plain traces), and for calibrated
     prefix recipes a second traces + fisher run on the calibration windows with the prefix prepended."""
-    spec, n_calib, out = lm.spec, windows.calib.shape[0], []
+    spec, model, n_calib, out = lm.spec, lm.model, windows.calib.shape[0], []
     if any(q.smooth for q in recipes):
         smooth_attention.validate(cfg.smooth)
-        out.append(Stage("smooth", lambda inp, pr: smooth_attention.fit(
-            inp["traces"].tensors["q_absmax"], inp["traces"].tensors["k_pre_absmax"], cfg.smooth, spec.rope_pairing),
+        out.append(Stage("smooth", lambda inp, pr: smooth_attention.fit(smooth_attention.Inputs(
+            inp["traces"].tensors["q_absmax"], inp["traces"].tensors["k_pre_absmax"], spec.rope_pairing), cfg.smooth),
             config=cfg.smooth, deps=["traces"]))
     if not any(q.prefix for q in recipes):
         return out
@@ -176,22 +142,25 @@ def _smooth_and_prefix_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes:
         raise ValueError(f"quant.prefix=true: the tokenizer of model {spec.name} has no BOS token "
                          f"(bos_token_id is None), and the prefix ends in BOS")
     out.append(Stage("prefix_tokens",
-                     lambda inp, pr: prefix_tokens.fit(lm.model, spec, inp["traces"].tensors, cfg.prefix),
+                     lambda inp, pr: prefix_tokens.fit(prefix_tokens.Inputs(model, spec, inp["traces"].tensors),
+                                                       cfg.prefix),
                      config={**asdict(cfg.prefix), "tokenizer_sha256": spec.tokenizer_sha256}, deps=["traces"]))
     if any(g.prefix for g in groups):
         def served(inp):
             return prefix_tokens.prepend(inp["prefix_tokens"].tensors["ids"], windows.calib)
 
-        out.append(Stage("traces-prefix", lambda inp, pr: traces.fit(lm.model, spec, served(inp), cfg.traces, pr),
+        out.append(Stage("traces-prefix", lambda inp, pr: traces.fit(traces.Inputs(model, spec, served(inp)),
+                                                                      cfg.traces, pr),
                          config=cfg.traces, deps=["prefix_tokens"], units=n_calib))
-        out.append(Stage("fisher-prefix", lambda inp, pr: fisher.fit(
-            lm.model, spec, served(inp), inp["traces-prefix"].tensors["res_sample"],
-            inp["traces-prefix"].tensors["res_pos"], pr),
+        out.append(Stage("fisher-prefix", lambda inp, pr: fisher.fit(fisher.Inputs(
+            model, spec, served(inp), inp["traces-prefix"].tensors["res_sample"],
+            inp["traces-prefix"].tensors["res_pos"]), cfg.fisher, pr),
             config={"loss": "causal-lm-sum"}, deps=["prefix_tokens", "traces-prefix"], units=n_calib))
     return out
 
 
 def calibration_tensors(q: QuantConfig, inp: dict[str, StageResult]) -> dict[str, torch.Tensor]:
+    """The stage results a recipe's policy is built from, by the names recipe.build_policy reads."""
     t = inp["traces"].tensors
     out = {"k_absmax": t["k_post_absmax"] if q.key_rope == "post" else t["k_pre_absmax"], "v_absmax": t["v_absmax"]}
     if q.smooth:  # the cache holds K / lambda; lambda is per channel, so its abs-max divides exactly
@@ -199,7 +168,7 @@ def calibration_tensors(q: QuantConfig, inp: dict[str, StageResult]) -> dict[str
         out["k_absmax"] = out["k_absmax"] / out["smooth"]
     if q.prefix:
         out["prefix_ids"] = inp["prefix_tokens"].tensors["ids"]
-    if policy.needs_calibration(q):
+    if recipe.needs_calibration(q):
         suffix = _group(q).suffix
         out.update(inp[f"key_scales-{suffix}"].tensors)
         out.update(inp[f"codebooks-{suffix}"].tensors)
@@ -212,7 +181,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     windows = build_windows(cfg.data, lm.tokenizer)
     recipes = recipes_of(cfg)
     for q in recipes:  # refuse a bad recipe before any stage runs
-        policy._validate_recipe(q)
+        recipe.validate_recipe(q)
     codebooks.check_weighting(cfg.codebooks.weighting)
     data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
     runner = Runner(cfg.cache_dir, lm.spec.model_sha256, data_id, log=log, show_progress=show_progress)
@@ -234,10 +203,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     if "evaluate" in results:
         summary["evaluation"] = results["evaluate"].meta
     run_dir.mkdir(parents=True, exist_ok=True)
-    target = policy.build(cfg.quant, lm.spec.n_layers, calibration_tensors(cfg.quant, results))
+    target = recipe.build_policy(cfg.quant, lm.spec.n_layers, calibration_tensors(cfg.quant, results))
     if cfg.layer_policy.enabled:  # the artifact becomes the mixed per-layer policy
         by_name = {q.name: q for q in recipes}
-        options = {n: policy.build(by_name[n], lm.spec.n_layers, calibration_tensors(by_name[n], results))
+        options = {n: recipe.build_policy(by_name[n], lm.spec.n_layers, calibration_tensors(by_name[n], results))
                    for n in cfg.layer_policy.options}
         target, summary["mixed"] = analysis.select_policy(cfg, lm, windows, runner, results, options)
         summary["evaluation"]["recipes"][target.name] = summary["mixed"]["recipe"]
@@ -254,7 +223,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
                               summary.get("evaluation", {}).get("recipes", {}),
                               lm.model.config.to_dict(), prefix=prefix, overwrite=cfg.export.overwrite))
         if cfg.check.enabled:  # kernel vs oracle on the exported artifact; the manifest records the outcome
-            from runtime_check.check import run_check
+            from pipeline.check import run_check
             summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
         if "gate" in summary.get("drift", {}):
             update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
@@ -274,7 +243,6 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     if summary.get("report"):
         log(f"report: {summary['report']}")
     if summary.get("runtime_check", {}).get("status") == "failed":  # after the manifest and summary record it
-        from runtime_check.check import RuntimeCheckError
         raise RuntimeCheckError(summary["artifact_dir"], summary["runtime_check"])
     if gate_result and not gate_result["passed"]:
         raise GateError(f"drift gate failed for {target.name}: " + "; ".join(gate_result["failures"][:5]),

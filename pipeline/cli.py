@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
+
 USAGE = """usage: python -m pipeline <command> [key=value ...]
 
 commands:
@@ -13,25 +15,24 @@ commands:
   show    DIR_OR_RUN_ID   print an artifact's or a run's summary and lineage
 """
 COMMANDS = ("run", "check", "show")
-EXIT_GATE = 4
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
-        sys.exit(0 if argv else 2)
+        sys.exit(EXIT_OK if argv else EXIT_USER)
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; allowed: {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USER)
     if command == "run":
         sys.argv = [sys.argv[0], *rest]
         _hydra_run()
         return
     if not rest:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_USER)
     sys.exit(_show(rest) if command == "show" else _check(rest))
 
 
@@ -43,18 +44,18 @@ def _show(args: list[str]) -> int:
         if Path(target).is_dir():
             from pipeline.show import show_artifact
             print(show_artifact(target))
-            return 0
+            return EXIT_OK
         return _show_run(target, args[1:])
     except ManifestError as exc:
         print(f"error: {target}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER
 
 
 def _show_run(run_id: str, args: list[str]) -> int:
     import os
 
     from pipeline.errors import UserError
-    from pipeline.tracking import EXIT_UNREACHABLE, TrackingError, show_run
+    from pipeline.tracking import TrackingError, show_run
 
     uri = next((a.split("=", 1)[1] for a in args if a.startswith("tracking.uri=")),
                os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlruns.db"))
@@ -62,16 +63,17 @@ def _show_run(run_id: str, args: list[str]) -> int:
         print(show_run(run_id, uri))
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER
     except TrackingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    return 0
+    return EXIT_OK
 
 
 def _check(args: list[str]) -> int:
-    """`check DIR [contexts=[..]] [batches=[..]]`: 0 passed, 1 failed, 2 refused (runtime_check/check.py)."""
-    from runtime_check.check import main as check_main
+    """`check DIR [contexts=[..]] [batches=[..]]`: EXIT_OK passed, EXIT_CHECK_FAILED failed, EXIT_USER refused
+    (pipeline/check.py)."""
+    from pipeline.check import main as check_main
     return check_main(args)
 
 
@@ -96,14 +98,14 @@ def _hydra_run() -> None:
 
 
 def run_from_dictconfig(cfg, run_dir: Path) -> int:
-    """Typed config -> pipeline run recorded in MLflow; user errors become one line on stderr and exit code 2,
-    an unreachable tracking store (results still written) exit code 3."""
+    """Typed config -> pipeline run recorded in MLflow -> an exit code (pipeline/errors.py). Each error becomes one
+    line on stderr: user errors EXIT_USER, a failed runtime check EXIT_CHECK_FAILED (as `check` exits), an
+    unreachable tracking store EXIT_UNREACHABLE and a failed drift gate EXIT_GATE (results still written)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from pipeline.config import to_typed
-    from pipeline.errors import UserError
-    from pipeline.tracking import EXIT_UNREACHABLE, TrackingError, tracked_run
-    from pipeline.app import GateError
+    from pipeline.errors import GateError, RuntimeCheckError, UserError
+    from pipeline.tracking import TrackingError, tracked_run
     from stages.base import NonFiniteError
 
     try:
@@ -119,10 +121,13 @@ def run_from_dictconfig(cfg, run_dir: Path) -> int:
             recorder.record(out)
     except OmegaConfBaseException as exc:
         print(f"error: invalid config: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER
+    except RuntimeCheckError as exc:  # the manifest and summary record the failed check
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CHECK_FAILED
     except (UserError, NonFiniteError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USER
     except TrackingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -130,4 +135,4 @@ def run_from_dictconfig(cfg, run_dir: Path) -> int:
         print(f"error: {exc}\nresults: {run_dir.resolve()}", file=sys.stderr)
         return EXIT_GATE
     print(f"results: {run_dir.resolve()}")
-    return 0
+    return EXIT_OK

@@ -10,6 +10,21 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+# each stage owns its config dataclass; this module composes them into the run's schema
+from stages.codebooks import CodebookConfig
+from stages.evaluate import EvalConfig
+from stages.fisher import FisherConfig
+from stages.gate import GateConfig
+from stages.layer_policy import LayerPolicyConfig
+from stages.prefix_tokens import PrefixConfig
+from stages.probes import ProbeConfig
+from stages.recipe import QuantConfig, TensorQuantConfig
+from stages.sensitivity import SensitivityConfig
+from stages.smooth_attention import SmoothConfig
+from stages.traces import TracesConfig
+
+from pipeline.check import CheckConfig  # the runtime check's options live with the check
+
 
 @dataclass
 class TinyModelConfig:
@@ -62,119 +77,9 @@ class DataConfig:
 
 
 @dataclass
-class TensorQuantConfig:
-    """How one cached tensor (K or V) is stored. See exporters/codec.py for the equations."""
-    format: str = "fp16"        # fp16 | uniform | nuq | fp8
-    bits: int = 16              # 2 | 3 | 4 | 8 | 16
-    axis: str = "tensor"        # token | channel | tensor | head
-    group_size: int = 0         # tokens per scale group for per-channel uniform (KIVI); 0: static (calibrated)
-    outlier_fraction: float = 0.0
-    fp8_dtype: str = "e4m3"     # e4m3 | e5m2
-
-
-@dataclass
-class QuantConfig:
-    name: str = "fp16"
-    key: TensorQuantConfig = field(default_factory=TensorQuantConfig)
-    value: TensorQuantConfig = field(default_factory=TensorQuantConfig)
-    key_rope: str = "post"      # pre | post: are keys quantized before or after RoPE
-    n_sink: int = 0             # first tokens kept in full precision
-    residual: int = 0           # most recent tokens kept in full precision
-    smooth: bool = False
-    prefix: bool = False
-
-
-@dataclass
-class TracesConfig:
-    reservoir_size: int = 4096  # sampled token rows of pre-RoPE K and V kept per layer
-    n_first_positions: int = 8  # attention mass received by each of the first positions
-    down_top_k: int = 16        # per sample and layer, the largest down_proj-input token maxima kept
-    mass_query_stride: int = 8  # attention mass on the first positions is estimated on every k-th query row
-    seed: int = 0
-
-
-@dataclass
-class SmoothConfig:
-    """QServe SmoothAttention (stages/smooth_attention.py): lambda = max|K|^alpha / max|Q|^beta."""
-    alpha: float = 0.5
-    beta: float = 0.0
-
-
-@dataclass
-class PrefixConfig:
-    """PrefixQuant discovery + IntactKV prefix (stages/prefix_tokens.py). The prefix is `n` outlier token ids, then BOS.
-    The discovered n is truncated to max_tokens; an explicit n_tokens above max_tokens is an error."""
-    eta: float = 64.0           # outlier token: down_proj-input token max / the sample's median > eta
-    max_tokens: int = 4         # cap on n (BOS not counted); at most traces.down_top_k
-    n_tokens: int = -1          # -1: discover n from the traces; >= 0: use this many outlier tokens
-
-
-@dataclass
-class FisherConfig:
-    enabled: bool = True
-
-
-@dataclass
-class CodebookConfig:
-    n_bins: int = 2048
-    lloyd_check: bool = True
-    weighting: str = "fisher"          # fisher (KVQuant's public code) | fisher-scale2 (Fisher x scale^2, the paper's objective)
-
-
-@dataclass
-class EvalConfig:
-    enabled: bool = True
-    # evaluated beside the run's own recipe, on the same windows
-    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2"])
-
-
-@dataclass
-class SensitivityConfig:
-    enabled: bool = True
-    n_windows: int = 1
-    buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
-    variants: list[str] = field(default_factory=lambda: ["kv"])  # add "k", "v" for the per-tensor split
-
-
-@dataclass
-class ProbeConfig:
-    enabled: bool = True
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048])
-    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
-    seed: int = 0
-
-
-@dataclass
-class GateConfig:
-    enabled: bool = True
-    max_ppl_ratio: float = 1.05        # recipe perplexity / fp16 perplexity
-    max_cell_kl: float = 0.05          # layer x position map: next-token KL with one layer quantized
-    min_cell_cos: float = 0.95         # layer x position map: attention-output cosine similarity
-    min_passkey_ratio: float = 1.0     # passkey accuracy / fp16 passkey accuracy
-
-
-@dataclass
-class LayerPolicyConfig:
-    """Mixed precision per layer under an average-bits budget (stages/layer_policy.py)."""
-    enabled: bool = False
-    budget: float = 3.0
-    options: list[str] = field(default_factory=lambda: ["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"])
-    n_windows: int = 1          # calibration windows for the per-layer sensitivity of each option
-
-
-@dataclass
 class ExportConfig:
     enabled: bool = True
     overwrite: bool = False     # an existing artifact folder is never replaced unless asked
-
-
-@dataclass
-class CheckConfig:
-    """The runtime check after export (runtime_check/check.py): Triton kernel vs oracle on real K/V."""
-    enabled: bool = True
-    contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
-    batches: list[int] = field(default_factory=lambda: [1, 2])
-    gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
 
 
 @dataclass

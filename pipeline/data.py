@@ -13,7 +13,7 @@ import torch
 
 from pipeline.config import DataConfig
 from pipeline.errors import UserError
-from pipeline.hashing import sha256_tensor
+from exporters.checksums import sha256_tensor
 
 DATA_SOURCES = ("embedded", "local", "hub")
 
@@ -61,14 +61,14 @@ def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
             for p in (calib_path, eval_path):
                 if not p.is_file():
                     raise UserError(f"data.path={str(path)!r}: missing {p.name} (data.calib_file / data.eval_file)")
-            return (_read_text(calib_path, cfg.text_field), _read_text(eval_path, cfg.text_field),
+            return (read_text(calib_path, cfg.text_field), read_text(eval_path, cfg.text_field),
                     f"local:{calib_path.name}(calib),{eval_path.name}(eval)")
-        calib, evaluation = _halves(_read_text(path, cfg.text_field))
+        calib, evaluation = _halves(read_text(path, cfg.text_field))
         return calib, evaluation, f"local:{path.name} (first half calib, second half eval)"
     return _load_hub(cfg)
 
 
-def _read_text(path: Path, text_field: str) -> str:
+def read_text(path: Path, text_field: str) -> str:
     if path.suffix == ".jsonl":
         rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         text = "\n\n".join(str(r[text_field]) for r in rows if text_field in r)

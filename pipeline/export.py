@@ -10,7 +10,7 @@ from exporters import compressed_tensors
 from exporters.codec import CachePolicy
 from exporters.manifest import build_manifest
 from exporters.native import write_artifact
-from pipeline.hashing import sha256_file
+from exporters.checksums import sha256_file
 
 
 def git_sha() -> str:

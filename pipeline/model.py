@@ -12,7 +12,7 @@ import torch
 
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
-from pipeline.hashing import sha256_file, sha256_json, sha256_tensor
+from exporters.checksums import sha256_file, sha256_json, sha256_tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 MODEL_SOURCES = ("embedded", "gguf", "local", "hub", "tiny")

@@ -21,7 +21,7 @@ import psutil
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from pipeline.hashing import sha256_file, sha256_json
+from exporters.checksums import sha256_file, sha256_json
 from stages.base import StageResult
 
 StageFn = Callable[[dict[str, StageResult], Callable[[int], None]], StageResult]
@@ -76,10 +76,12 @@ def _jsonable(config: Any) -> Any:
 
 
 def code_identity() -> str:
-    """sha256 over the sources of the code that computes stage results: an edit invalidates every entry, so a
-    cache hit never returns what an older version of the code computed."""
+    """sha256 over the sources of the code that computes stage results -- the stages, the format they call, and
+    the wiring that chooses their inputs (pipeline/app.py, pipeline/analysis.py): an edit invalidates every
+    entry, so a cache hit never returns what an older version of the code computed."""
     root = Path(__file__).resolve().parent.parent
     files = sorted(p for pkg in ("stages", "exporters") for p in (root / pkg).rglob("*.py"))
+    files += [root / "pipeline" / "app.py", root / "pipeline" / "analysis.py"]
     return sha256_json({str(p.relative_to(root)): sha256_file(p) for p in files})
 
 

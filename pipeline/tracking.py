@@ -11,7 +11,8 @@ A run records what produced it and what it measured:
 The run is opened before the stages and closed after everything is logged, so a failed stage leaves a FAILED
 run with its error and nothing half-recorded is FINISHED. The store is checked once, with retries off and a
 short timeout, so an unreachable server costs seconds: the pipeline still runs and writes its results, then
-the process exits with `EXIT_UNREACHABLE` naming the URI (`tracking.required=false`: a warning instead).
+the process exits with `EXIT_UNREACHABLE` (pipeline/errors.py) naming the URI (`tracking.required=false`: a
+warning instead).
 
 mlflow is imported inside the functions: `tracking.enabled=false` runs never pay for it. MlflowClient is used
 rather than the fluent API, whose exit hook would end an interrupted run as FINISHED.
@@ -44,7 +45,6 @@ from pipeline.errors import UserError
 
 ENV_PARENT_RUN = "KVCALIB_MLFLOW_PARENT_RUN_ID"   # set by SweepCallback for the jobs of a sweep
 ENV_RUN_NAME = "KVCALIB_MLFLOW_RUN_NAME"          # a sweep job's name: the swept overrides it got
-EXIT_UNREACHABLE = 3
 PROJECT_ROOT = Path(pipeline.__file__).resolve().parent.parent
 # once the store answered, a request may be retried (backoff 2 s, 4 s, 8 s) before the run gives up
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
@@ -580,4 +580,4 @@ def _when(ms: int | None) -> str:
 
 
 __all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run", "flatten",
-           "summary_metrics", "summary_tags", "evaluation_table", "git_state", "EXIT_UNREACHABLE", "ENV_PARENT_RUN"]
+           "summary_metrics", "summary_tags", "evaluation_table", "git_state", "ENV_PARENT_RUN"]

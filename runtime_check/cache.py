@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from exporters.codec import CachePolicy, Encoded, TensorPolicy, decode, encode, pack_codes, unpack_codes
+from exporters.codec import (CachePolicy, Encoded, TensorPolicy, decode, encode, pack_codes, static_bits,
+                            unpack_codes)
 from exporters.rope import apply_rope, invert_rope
 
 
@@ -117,10 +118,11 @@ class ArtifactLayer(CacheLayerMixin):
         return self.cumulative_length + query_length, 0
 
     def nbytes(self) -> int:
+        """Bytes held: the fp16 sink and residual rows and the stored blocks as measured, plus the per-layer
+        static tensors as the artifact stores them (exporters.codec.static_bits)."""
         held = [t for pair in (self.sink, self.recent) if pair is not None for t in pair]
-        static = [t for p in (self.pk, self.pv) for t in (p.codebook, p.zero, p.range, p.lower, p.upper, p.fp8_scale)
-                  if t is not None]
-        return (sum(t.numel() * t.element_size() for t in held + static)
+        return (sum(t.numel() * t.element_size() for t in held)
+                + sum(static_bits(p) for p in (self.pk, self.pv)) // 8
                 + sum(b.nbytes for b in (self.k_block, self.v_block) if b is not None))
 
     # -- the cache ABI ----------------------------------------------------------------------------------------

@@ -60,8 +60,7 @@ def _to(x, device):
 
 
 def policy_to(p: TensorPolicy, device) -> TensorPolicy:
-    return replace(p, **{name: _to(getattr(p, name), device)
-                         for name in ("codebook", "zero", "range", "lower", "upper", "fp8_scale")})
+    return replace(p, **{name: t.to(device) for name, t in p.calibrated().items()})
 
 
 def block_to(block: StoredBlock | None, device) -> StoredBlock | None:

@@ -9,18 +9,9 @@ from __future__ import annotations
 import torch
 
 from exporters.codec import decode
-from exporters.rope import apply_rope
+from exporters.rope import apply_rope, rotary_tables
 from runtime_check.cache import load
 from runtime_check.inputs import DecodeInputs
-
-
-def rope_tables(rotary: torch.nn.Module, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [n, D] float32 at positions start..start+n-1 from the model's rotary module (in float32 even
-    when the model runs in half precision: the stored keys are rotated at full precision)."""
-    device = rotary.inv_freq.device
-    pos = torch.arange(start, start + n, device=device)[None]
-    cos, sin = rotary(torch.zeros(1, n, 1, dtype=torch.float32, device=device), pos)
-    return cos[0].float(), sin[0].float()
 
 
 def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +25,9 @@ def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inp.smooth is not None:
             k = k * inp.smooth.float()[None, :, None, :]
         if inp.key_rope == "pre":
-            cos, sin = rope_tables(inp.rotary, inp.k_block.start, k.shape[2])
-            k = apply_rope(k, cos.to(k.device), sin.to(k.device))
+            # float32 tables even when the model runs in half precision: stored keys rotate at full precision
+            cos, sin = rotary_tables(inp.rotary, inp.k_block.start, k.shape[2], torch.float32)
+            k = apply_rope(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
         ks.append(k)
         vs.append(decode(load(inp.v_block, inp.value_policy), inp.value_policy))
     if inp.recent is not None:

@@ -12,20 +12,19 @@ as a cross-check on a subsample, and the weighted squared error of both on all p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from threadpoolctl import threadpool_limits
 
 from exporters.codec import ALLOWED_BITS, token_outlier_bounds
 from stages.base import StageResult
+from stages.calibration_rows import CalibrationRows
 from stages.codebooks_kmeans import kmeans_1d_exact, kmeans_1d_lloyd, weighted_sse
-from stages.key_scales import sink_free_rows
 
 
 @dataclass
 class CodebookConfig:
-    bits: list[int] = field(default_factory=lambda: [2, 3, 4])
     n_bins: int = 2048
     lloyd_check: bool = True
     lloyd_max_points: int = 50_000
@@ -78,21 +77,31 @@ def _fit_one(x: torch.Tensor, w: torch.Tensor, k: int, cfg: CodebookConfig, gen:
     return centers, report
 
 
-def fit(keys: torch.Tensor, values: torch.Tensor, fisher_k: torch.Tensor, fisher_v: torch.Tensor,
-        res_pos: torch.Tensor, scales: dict[str, torch.Tensor], fraction: float, n_sink: int,
-        cfg: CodebookConfig) -> StageResult:
-    """keys/values/fisher_* [S, L, H, D]; scales: zero, range, lower, upper [L, H, D]."""
-    bad = [b for b in cfg.bits if b not in ALLOWED_BITS or b == 8]
+@dataclass
+class Inputs:
+    rows: CalibrationRows               # with fisher_k / fisher_v
+    scales: dict[str, torch.Tensor]     # the key_scales stage: zero, range, lower, upper [L, H, D]
+    fraction: float                     # the recipe's outlier fraction (0: no sparse outliers)
+    bits: list[int]                     # the codebook bit-widths to fit (the recipes' nuq tensors)
+
+
+def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
+    """-> k_codebook_B / v_codebook_B [L, 2^B] for every B in inputs.bits."""
+    bits_list, scales, fraction, n_sink = inputs.bits, inputs.scales, inputs.fraction, inputs.rows.n_sink
+    bad = [b for b in bits_list if b not in ALLOWED_BITS or b == 8]
     if bad:
-        raise ValueError(f"codebooks.bits must be in (2, 3, 4), got {cfg.bits}")
+        raise ValueError(f"codebooks.bits must be in (2, 3, 4), got {bits_list}")
     check_weighting(cfg.weighting)
-    rows = sink_free_rows(res_pos, n_sink)
-    keys, values, fisher_k, fisher_v = (t[rows].float() for t in (keys, values, fisher_k, fisher_v))
+    r = inputs.rows
+    if r.fisher_k is None or r.fisher_v is None:
+        raise ValueError("codebooks: the calibration rows carry no Fisher weights")
+    kept = r.kept()
+    keys, values, fisher_k, fisher_v = (t[kept].float() for t in (r.keys, r.values, r.fisher_k, r.fisher_v))
     n_layers = keys.shape[1]
     gen = torch.Generator().manual_seed(cfg.seed)
     tensors: dict[str, torch.Tensor] = {}
     report: dict[str, list] = {}
-    for bits in cfg.bits:
+    for bits in bits_list:
         k_books, v_books = [], []
         for layer in range(n_layers):
             xk, mk = normalized_keys(keys[:, layer], scales["zero"][layer], scales["range"][layer],

@@ -15,16 +15,31 @@ the measured sparse-outlier fraction.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from exporters.codec import encoded_bits, fake_quant, static_bits
+from exporters.codec import FULL_PRECISION_BITS, CachePolicy, encoded_bits, fake_quant, static_bits
 from exporters.rope import apply_rope
 from stages.base import StageResult
-from stages.hooks import (attend, attention_override, attention_scores, forward_hooks, pre_rope_key_hooks,
+from stages.hooks import (attend, attention_override, attention_scores, forward_hooks, pre_rope_key_hooks, rope_tables,
                           sdpa_attention)
-from stages.policy import CachePolicy
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    # evaluated beside the run's own recipe, on the same windows
+    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2"])
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                  # pipeline.model.ModelSpec
+    windows: torch.Tensor         # [M, T] evaluation token ids
+    policies: list[CachePolicy]
 
 
 class _Ledger:
@@ -38,7 +53,7 @@ class _Ledger:
         encoded_rows = e.shape[2]
         if encoded_rows:
             self.bits += encoded_bits(e, p) * rows_q / encoded_rows
-        self.bits += 16 * rows_full * per_row + static_bits(p)
+        self.bits += FULL_PRECISION_BITS * rows_full * per_row + static_bits(p)
         self.elements += (rows_q + rows_full) * per_row
         self.outliers[kind] += e.n_outliers
         self.encoded[kind] += math.prod(e.shape)
@@ -106,17 +121,9 @@ def _served(ids: torch.Tensor, policy: CachePolicy) -> tuple[torch.Tensor, int]:
     return torch.cat([policy.prefix_ids.to(ids)[None], ids], dim=1), int(policy.prefix_ids.numel())
 
 
-def rope_tables(model, ids: torch.Tensor) -> dict:
-    """cos/sin of the model's own rotary module (handles Llama-3 scaling) at positions 0..T-1."""
-    positions = torch.arange(ids.shape[1], device=ids.device)[None]
-    dummy = torch.zeros(1, ids.shape[1], 1, dtype=next(model.parameters()).dtype, device=ids.device)
-    cos, sin = model.model.rotary_emb(dummy, positions)
-    return {"cos": cos, "sin": sin}
-
-
-def fit(model: torch.nn.Module, spec, windows: torch.Tensor, policies: list[CachePolicy],
-        progress: Callable[[int], None] | None = None) -> StageResult:
-    """windows [M, T] evaluation token ids -> per-policy ppl, kl, top1, avg_bits, outlier fractions."""
+def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
+    """-> per-policy ppl, kl, top1, avg_bits, outlier fractions on inputs.windows."""
+    model, spec, windows, policies = inputs.model, inputs.spec, inputs.windows, inputs.policies
     stats = {p.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "ledger": _Ledger()} for p in policies}
     pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
     device = next(model.parameters()).device

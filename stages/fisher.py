@@ -7,6 +7,7 @@ element. One window's graph at a time bounds memory.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,9 +16,24 @@ from stages.base import StageResult, check_finite
 from stages.hooks import attention_layers, forward_hooks
 
 
-def fit(model: torch.nn.Module, spec, windows: torch.Tensor, res_sample: torch.Tensor, res_pos: torch.Tensor,
-        progress: Callable[[int], None] | None = None) -> StageResult:
-    """windows [N, T]; res_sample/res_pos [S] -> fisher_k, fisher_v [S, n_layers, H_kv, D]."""
+@dataclass
+class FisherConfig:
+    enabled: bool = True
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                  # pipeline.model.ModelSpec
+    windows: torch.Tensor         # [N, T] calibration token ids (the windows the traces stage saw)
+    res_sample: torch.Tensor      # [S] the traces reservoir's rows: sample index
+    res_pos: torch.Tensor         # [S] and position
+
+
+def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
+    """-> fisher_k, fisher_v [S, n_layers, H_kv, D] for the reservoir rows."""
+    model, spec, windows, res_sample, res_pos = (inputs.model, inputs.spec, inputs.windows, inputs.res_sample,
+                                                 inputs.res_pos)
     n_rows = res_sample.numel()
     shape = (n_rows, spec.n_layers, spec.n_kv_heads, spec.head_dim)
     fisher_k, fisher_v = torch.zeros(shape), torch.zeros(shape)

@@ -1,13 +1,35 @@
-"""The drift gate (seed 003): thresholds on the worst cell, not the average. A run whose artifact crosses one
+"""The drift gate: thresholds on the worst cell, not the average. A run whose artifact crosses one
 fails, naming the offending cell."""
 from __future__ import annotations
 
-from pipeline.config import GateConfig
+from dataclasses import dataclass
+
+from stages.base import StageResult
+
+
+@dataclass
+class GateConfig:
+    enabled: bool = True
+    max_ppl_ratio: float = 1.05        # recipe perplexity / fp16 perplexity
+    max_cell_kl: float = 0.05          # layer x position map: next-token KL with one layer quantized
+    min_cell_cos: float = 0.95         # layer x position map: attention-output cosine similarity
+    min_passkey_ratio: float = 1.0     # passkey accuracy / fp16 passkey accuracy
+
+
+@dataclass
+class Inputs:
+    recipe: str
+    evaluation: dict                   # {recipe: {ppl, ...}} (the evaluate stage)
+    sensitivity: dict | None = None    # {"map_kl": [[...]], "map_cos": [[...]], "bucket_edges": [...]}
+    passkey: dict | None = None        # {"fp16": acc, recipe: acc}
+
+
+def fit(inputs: Inputs, cfg: GateConfig) -> StageResult:
+    """-> meta {"passed": bool, "failures": [...], "thresholds": {...}}"""
+    return StageResult({}, check(cfg, inputs.recipe, inputs.evaluation, inputs.sensitivity, inputs.passkey))
 
 
 def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None) -> dict:
-    """evaluation: {recipe: {ppl, ...}}; sensitivity: {"map_kl": [[...]], "map_cos": [[...]], "bucket_edges": [...]};
-    passkey: {"fp16": acc, recipe: acc}. -> {"passed": bool, "failures": [...], "thresholds": {...}}"""
     failures = []
     ref = evaluation.get("fp16", {}).get("ppl")
     row = evaluation.get(recipe)

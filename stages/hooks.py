@@ -1,5 +1,6 @@
 """Model instrumentation without editing model code: forward hooks on the projections, and an attention
 function registered with transformers' AttentionInterface that calls whatever the active stage installs.
+Registration happens on the first `attention_override` (importing this module changes nothing in transformers).
 
 The attention function receives post-RoPE queries and keys [B, H, T, D]; the k_proj hook sees pre-RoPE keys.
 """
@@ -9,6 +10,8 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+
+from exporters.rope import rotary_tables
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -23,13 +26,21 @@ def _dispatch(module, query, key, value, attention_mask, scaling, dropout=0.0, *
     return fn(module, query, key, value, attention_mask, scaling), None
 
 
-AttentionInterface.register(ATTN_NAME, _dispatch)
-AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+_REGISTERED: list[bool] = []
+
+
+def register_attention() -> None:
+    """Register the dispatching attention (and its eager mask) with transformers under ATTN_NAME; idempotent."""
+    if not _REGISTERED:
+        AttentionInterface.register(ATTN_NAME, _dispatch)
+        AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+        _REGISTERED.append(True)
 
 
 @contextmanager
 def attention_override(model: torch.nn.Module, fn: Callable) -> Iterator[None]:
     """Within the block every attention layer calls fn(module, q, k, v, mask, scaling) -> [B, T, H_q, D]."""
+    register_attention()
     config = model.config
     previous = config._attn_implementation
     config._attn_implementation = ATTN_NAME
@@ -68,6 +79,13 @@ def pre_rope_key_hooks(model: torch.nn.Module, n_kv_heads: int, head_dim: int):
         return hook
 
     return store, [(a.k_proj, stash(i), False) for i, a in enumerate(attention_layers(model))]
+
+
+def rope_tables(model: torch.nn.Module, ids: torch.Tensor) -> dict:
+    """{"cos", "sin"} [1, T, D] of the model's own rotary module at positions 0..T-1 of ids [B, T], in the
+    model's dtype (what its attention applies)."""
+    cos, sin = rotary_tables(model.model.rotary_emb, 0, ids.shape[1], next(model.parameters()).dtype)
+    return {"cos": cos.to(ids.device), "sin": sin.to(ids.device)}
 
 
 def group_queries(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

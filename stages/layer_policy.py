@@ -1,4 +1,4 @@
-"""Mixed precision per layer under an average-bits budget (seed 003; QAQ-style allocation by sensitivity).
+"""Mixed precision per layer under an average-bits budget (QAQ-style allocation by sensitivity).
 
 Inputs: for every candidate option (a recipe of one family, e.g. kvquant-{2,3,4}b-1pct, plus fp16) the isolated
 per-layer KL (only that layer quantized, measured on calibration windows) and the option's average bits per
@@ -8,7 +8,7 @@ isolated KLs is only a proxy -- the chosen stack is evaluated as a whole afterwa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,7 +61,18 @@ def assemble(policies: list[CachePolicy], choice: list[int], name: str) -> Cache
                        smooth=base.smooth)
 
 
-def fit(options: list[Option], budget: float) -> StageResult:
+@dataclass
+class LayerPolicyConfig:
+    """Mixed precision per layer under an average-bits budget."""
+    enabled: bool = False
+    budget: float = 3.0
+    options: list[str] = field(default_factory=lambda: ["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"])
+    n_windows: int = 1          # calibration windows for the per-layer sensitivity of each option
+
+
+def fit(options: list[Option], cfg: LayerPolicyConfig) -> StageResult:
+    """options: one per candidate recipe (isolated per-layer KL and average bits) -> the choice per layer."""
+    budget = cfg.budget
     choice = choose(options, budget)
     bits = [options[c].bits for c in choice]
     return StageResult({"choice": torch.tensor(choice)},

@@ -9,16 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from exporters.codec import token_outlier_bounds
 from stages.base import StageResult
-from stages.key_scales import sink_free_rows
+from stages.calibration_rows import CalibrationRows
 
 
-def fit(keys: torch.Tensor, values: torch.Tensor, res_pos: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor,
-        fraction: float, n_sink: int) -> StageResult:
-    """keys/values [S, L, H, D]; lower/upper [L, H, D] -> thresholds and measured sparse fractions."""
-    rows = sink_free_rows(res_pos, n_sink)
-    k, v = keys[rows].float(), values[rows].float()
+@dataclass
+class OutliersConfig:
+    fraction: float = 0.0       # sparse fraction: keys outside [lower, upper], values per the token rule
+
+
+@dataclass
+class Inputs:
+    rows: CalibrationRows
+    lower: torch.Tensor         # [L, H, D] static key bounds (the key_scales stage)
+    upper: torch.Tensor
+
+
+def fit(inputs: Inputs, cfg: OutliersConfig) -> StageResult:
+    """-> the static key thresholds and the sparse fractions measured on the calibration rows."""
+    rows, lower, upper, fraction = inputs.rows, inputs.lower, inputs.upper, cfg.fraction
+    kept = rows.kept()
+    k, v = rows.keys[kept].float(), rows.values[kept].float()
     k_frac = float(((k < lower) | (k > upper)).float().mean()) if fraction > 0 else 0.0
     v_frac = 0.0
     if fraction > 0:

@@ -24,12 +24,28 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
-from pipeline.config import PrefixConfig
 from stages.base import StageResult
 from stages.hooks import attention_layers, attention_override, forward_hooks, sdpa_attention
+
+
+@dataclass
+class PrefixConfig:
+    """The prefix is `n` outlier token ids, then BOS. The discovered n is truncated to max_tokens; an explicit
+    n_tokens above max_tokens is an error."""
+    eta: float = 64.0           # outlier token: down_proj-input token max / the sample's median > eta
+    max_tokens: int = 4         # cap on n (BOS not counted); at most traces.down_top_k
+    n_tokens: int = -1          # -1: discover n from the traces; >= 0: use this many outlier tokens
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                          # pipeline.model.ModelSpec (bos_token_id, tokenizer_sha256, ...)
+    traces: dict[str, torch.Tensor]       # the traces stage's tensors (down_ratio, down_token, down_pos)
 
 
 def validate(cfg: PrefixConfig, top_k: int) -> None:
@@ -90,8 +106,9 @@ def prefix_kv(model: torch.nn.Module, spec, ids: torch.Tensor) -> dict[str, torc
     return {"k_pre": torch.stack(k_pre).cpu(), "k_post": torch.stack(k_post).cpu(), "v": torch.stack(v).cpu()}
 
 
-def fit(model: torch.nn.Module, spec, traces: dict[str, torch.Tensor], cfg: PrefixConfig) -> StageResult:
-    """traces: the traces stage's tensors (down_ratio, down_token, down_pos) -> ids [P] and the prefix K/V."""
+def fit(inputs: Inputs, cfg: PrefixConfig) -> StageResult:
+    """-> ids [P] and the prefix K/V."""
+    model, spec, traces = inputs.model, inputs.spec, inputs.traces
     ids, meta = discover(traces["down_ratio"], traces["down_token"], traces["down_pos"], spec.bos_token_id, cfg)
     ids_t = torch.tensor(ids, dtype=torch.int64)
     meta |= {"ids": ids, "prefix_len": len(ids), "tokenizer_sha256": spec.tokenizer_sha256}

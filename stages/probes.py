@@ -6,15 +6,31 @@ the argmax at every answer position is the key's next token -- exactly when gree
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from exporters.codec import CachePolicy
-from pipeline.config import ProbeConfig
 from stages.base import StageResult
-from stages.evaluate import quantized_attention, rope_tables
-from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks
+from stages.evaluate import quantized_attention
+from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
+
+@dataclass
+class ProbeConfig:
+    enabled: bool = True
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048])
+    depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
+    seed: int = 0
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                  # pipeline.model.ModelSpec
+    prompts: list[dict]           # make_prompts(...)
+    policies: list[CachePolicy]
+
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -41,9 +57,9 @@ def make_prompts(tok, cfg: ProbeConfig) -> list[dict]:
     return out
 
 
-def fit(model: torch.nn.Module, spec, prompts: list[dict], policies: list[CachePolicy],
-        progress: Callable[[int], None] | None = None) -> StageResult:
+def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None = None) -> StageResult:
     """-> meta {"accuracy": {policy: float}, "cells": {policy: {"LENGTH@DEPTH": 0|1}}}; fp16 reference included."""
+    model, spec, prompts, policies = inputs.model, inputs.spec, inputs.prompts, inputs.policies
     pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
     cells: dict[str, dict[str, int]] = {"fp16": {}}
     for p in policies:

@@ -1,4 +1,4 @@
-"""Where the error lands (seed 003): per-layer sensitivity and the layer x position error map.
+"""Where the error lands: per-layer sensitivity and the layer x position error map.
 
 For each layer i, quantize only layer i's cache under the recipe (all other layers full precision) -- keys
 alone, values alone, and both -- and measure, against the full-precision reference on evaluation windows:
@@ -8,15 +8,31 @@ similarity of layer i's attention output (o_proj input) and the next-token KL.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
-from pipeline.config import SensitivityConfig
 from stages.base import StageResult
-from stages.evaluate import quantized_attention, rope_tables
-from stages.hooks import attention_layers, attention_override, forward_hooks, pre_rope_key_hooks
+from stages.evaluate import quantized_attention
+from stages.hooks import attention_layers, attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
+
+@dataclass
+class SensitivityConfig:
+    enabled: bool = True
+    n_windows: int = 1
+    buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
+    variants: list[str] = field(default_factory=lambda: ["kv"])  # add "k", "v" for the per-tensor split
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                  # pipeline.model.ModelSpec
+    windows: torch.Tensor         # [N, T] token ids (the first cfg.n_windows are used)
+    policy: CachePolicy
+
 
 VARIANTS = ("k", "v", "kv")  # the order of the first axis of the kl / top1 / nll_delta tensors
 FP16 = TensorPolicy()
@@ -37,8 +53,8 @@ def bucket_index(t: int, edges: list[int]) -> torch.Tensor:
     return torch.bucketize(pos, torch.tensor(edges[1:]), right=True)
 
 
-def fit(model: torch.nn.Module, spec, windows: torch.Tensor, policy: CachePolicy, cfg: SensitivityConfig,
-        progress: Callable[[int], None] | None = None) -> StageResult:
+def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] | None = None) -> StageResult:
+    model, spec, windows, policy = inputs.model, inputs.spec, inputs.windows, inputs.policy
     n_layers = spec.n_layers
     windows = windows[: cfg.n_windows]
     t = windows.shape[1]

@@ -15,12 +15,27 @@ balance and gets lambda = 1. Every lambda must be finite and > 0; anything else 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pipeline.config import SmoothConfig
 from stages.base import StageResult
 
 ROPE_PAIRINGS = ("rotate_half",)
+
+
+@dataclass
+class SmoothConfig:
+    """lambda = max|K|^alpha / max|Q|^beta."""
+    alpha: float = 0.5
+    beta: float = 0.0
+
+
+@dataclass
+class Inputs:
+    q_absmax: torch.Tensor        # [L, H_q, D] pre-RoPE query abs-max (traces)
+    k_absmax: torch.Tensor        # [L, H_kv, D] pre-RoPE key abs-max (traces)
+    rope_pairing: str             # the model's RoPE convention (pipeline.model.ModelSpec.rope_pairing)
 
 
 def validate(cfg: SmoothConfig) -> None:
@@ -37,8 +52,9 @@ def _pair_max(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([m, m], dim=-1)
 
 
-def fit(q_absmax: torch.Tensor, k_absmax: torch.Tensor, cfg: SmoothConfig, rope_pairing: str) -> StageResult:
-    """q_absmax [L, H_q, D], k_absmax [L, H_kv, D] (pre-RoPE) -> smooth [L, H_kv, D]."""
+def fit(inputs: Inputs, cfg: SmoothConfig) -> StageResult:
+    """-> smooth [L, H_kv, D]."""
+    q_absmax, k_absmax, rope_pairing = inputs.q_absmax, inputs.k_absmax, inputs.rope_pairing
     validate(cfg)
     if rope_pairing not in ROPE_PAIRINGS:
         raise ValueError(f"smooth: RoPE pairing must be one of {ROPE_PAIRINGS}, got {rope_pairing!r}")

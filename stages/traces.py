@@ -11,14 +11,30 @@ slot choice made before each forward, so every layer stores the same token rows)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-from pipeline.config import TracesConfig
 from stages.base import StageResult, check_finite
 from stages.hooks import attention_layers, attention_override, attention_scores, forward_hooks, sdpa_attention
+
+
+@dataclass
+class TracesConfig:
+    reservoir_size: int = 4096  # sampled token rows of pre-RoPE K and V kept per layer
+    n_first_positions: int = 8  # attention mass received by each of the first positions
+    down_top_k: int = 16        # per sample and layer, the largest down_proj-input token maxima kept
+    mass_query_stride: int = 8  # attention mass on the first positions is estimated on every k-th query row
+    seed: int = 0
+
+
+@dataclass
+class Inputs:
+    model: torch.nn.Module
+    spec: object                # pipeline.model.ModelSpec (n_layers, n_kv_heads, n_q_heads, head_dim)
+    windows: torch.Tensor       # [N, T] token ids
 
 
 class _Moments:
@@ -68,9 +84,9 @@ def _rows_mask(mask: torch.Tensor | None, rows: torch.Tensor, t: int) -> torch.T
     return allowed[None, None]
 
 
-def fit(model: torch.nn.Module, spec, windows: torch.Tensor, cfg: TracesConfig,
-        progress: Callable[[int], None] | None = None) -> StageResult:
-    """windows: [N, T] token ids. One window per forward keeps activation memory at one sequence."""
+def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | None = None) -> StageResult:
+    """inputs.windows: [N, T] token ids. One window per forward keeps activation memory at one sequence."""
+    model, spec, windows = inputs.model, inputs.spec, inputs.windows
     if cfg.reservoir_size < 1:
         raise ValueError(f"traces.reservoir_size must be >= 1, got {cfg.reservoir_size}")
     n_layers, n_kv, n_q, d = spec.n_layers, spec.n_kv_heads, spec.n_q_heads, spec.head_dim

@@ -33,3 +33,69 @@ def tiny_windows(tiny):
     from pipeline.config import DataConfig
     from pipeline.data import build_windows
     return build_windows(DataConfig(n_samples=3, seq_len=48, eval_n_samples=2, eval_seq_len=48), tiny.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def calib(tiny, tiny_windows):
+    """Calibration tensors every recipe may ask for, from the tiny model's own K / V on text."""
+    from stages.hooks import attention_layers, forward_hooks
+
+    spec = tiny.spec
+    pre_k, vals = {}, {}
+
+    def grab(store, i):
+        def hook(_m, _inp, out):
+            store[i] = out.view(out.shape[0], out.shape[1], spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        return hook
+
+    hooks = [(a.k_proj, grab(pre_k, i), False) for i, a in enumerate(attention_layers(tiny.model))]
+    hooks += [(a.v_proj, grab(vals, i), False) for i, a in enumerate(attention_layers(tiny.model))]
+    with torch.no_grad(), forward_hooks(hooks):
+        tiny.model(tiny_windows.calib)
+    k = torch.stack([pre_k[i] for i in range(spec.n_layers)])              # [L, N, H, T, D]
+    v = torch.stack([vals[i] for i in range(spec.n_layers)])
+    g = torch.Generator().manual_seed(0)
+    half = spec.head_dim // 2
+    smooth = (k.abs().amax((1, 3)) ** 0.5).view(spec.n_layers, spec.n_kv_heads, 2, half).amax(2).repeat(1, 1, 2)
+
+    def channel_stats(keys, f=0.01):
+        flat = keys.transpose(1, 2).reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)
+        lo, hi = flat.quantile(f / 2, dim=2), flat.quantile(1 - f / 2, dim=2)
+        return {"zero": (hi + lo) / 2, "range": (hi - lo) / 2, "lower": lo, "upper": hi}
+
+    out = {"k_absmax": k.abs().amax((1, 3)), "v_absmax": v.abs().amax((1, 3)), "smooth": smooth,
+           "prefix_ids": torch.tensor([tiny.spec.bos_token_id])}
+    for bits in (2, 3, 4):
+        levels = torch.sort(torch.rand(spec.n_layers, 2 ** bits - 2, generator=g) * 1.9 - 0.95).values
+        edges = torch.ones(spec.n_layers, 1)
+        out[f"k_codebook_{bits}"] = torch.cat([-edges, levels, edges], 1)
+        out[f"v_codebook_{bits}"] = out[f"k_codebook_{bits}"].clone()  # separate tensors, as calibration gives
+    return {"plain": out | channel_stats(k), "smooth": out | channel_stats(k / smooth[:, None, :, None, :])}
+
+
+@pytest.fixture
+def make_artifact(tmp_path, tiny, calib):
+    """recipe name -> an exported tiny-model artifact folder under tmp_path (the prefix K/V included when the
+    recipe has a prefix)."""
+    from transformers import DynamicCache
+
+    from exporters import manifest as mf
+    from exporters.native import write_artifact
+    from pipeline.config import load_recipe
+    from stages import recipe as recipe_stage
+
+    def make(recipe: str) -> Path:
+        q = load_recipe(recipe)
+        pol = recipe_stage.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+        prefix = None
+        if q.prefix:
+            ids = pol.prefix_ids
+            cache = DynamicCache()
+            with torch.no_grad():
+                tiny.model(ids[None], cache=cache)
+            prefix = {"token_ids": ids.tolist(), "k": torch.stack([layer.keys[0] for layer in cache.layers]),
+                      "v": torch.stack([layer.values[0] for layer in cache.layers])}
+        man, tensors = mf.build_manifest(pol, tiny.spec, {"data": {}}, {}, prefix=prefix)
+        return write_artifact(tmp_path / recipe, man, tensors)
+
+    return make

@@ -3,8 +3,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exporters.codec import (CodecError, TensorPolicy, decode, encode, encoded_bits, fake_quant, fp8_scale_from_amax,
-                             pack_codes, static_bits, token_outlier_bounds, unpack_codes)
+import dataclasses
+
+from exporters.codec import (CALIBRATED_FIELDS, CodecError, TensorPolicy, decode, encode, encoded_bits, fake_quant,
+                             fp8_scale_from_amax, pack_codes, static_bits, stored_bits, token_outlier_bounds,
+                             unpack_codes)
 
 
 def t4(rows):  # [T, D] -> [1, 1, T, D]
@@ -146,6 +149,29 @@ def test_ledger_hand_checked():
     book = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.tensor([-1.0, -0.3, 0.3, 1.0]),
                         zero=torch.zeros(1, 4), range=torch.ones(1, 4))
     assert static_bits(book) == (4 + 4 + 4) * 32  # float32 codebook, zero and range
+
+
+def test_size_model_counts_whole_bytes_per_row_and_scale_groups():
+    # 5 channels at 3 bits: 15 bits of codes, stored as 2 whole bytes per (token, head) row
+    p = TensorPolicy(format="uniform", bits=3, axis="token")
+    assert stored_bits(p, 1, 2, 3, 5) == 2 * 3 * (16 + 2 * 16)
+    # per-channel groups: a partial last group counts by default (encode makes one), whole groups when given
+    kivi = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4)
+    assert stored_bits(kivi, 1, 1, 6, 8) == 6 * 16 + 2 * 8 * 2 * 16
+    assert stored_bits(kivi, 1, 1, 6, 8, n_groups=1) == 6 * 16 + 1 * 8 * 2 * 16
+    e = encode(torch.randn(1, 1, 6, 8), kivi)
+    assert encoded_bits(e, kivi) == stored_bits(kivi, 1, 1, 6, 8)
+    # outliers: fp16 value + 16-bit index each, a 16-bit count per token row; expected counts may be fractional
+    out = TensorPolicy(format="nuq", bits=4, axis="token", outlier_fraction=0.05, codebook=torch.linspace(-1, 1, 16))
+    assert stored_bits(out, 2, 1, 3, 8, n_outliers=1.5) == 2 * 3 * (32 + 32) + 2 * 3 * 16 + 1.5 * 32
+    assert stored_bits(TensorPolicy(), 2, 3, 4, 5) == 2 * 3 * 4 * 5 * 16
+
+
+def test_calibrated_fields_are_the_policy_tensors():
+    tensor_fields = tuple(f.name for f in dataclasses.fields(TensorPolicy) if "Tensor" in str(f.type))
+    assert tensor_fields == CALIBRATED_FIELDS
+    p = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=torch.tensor(0.5))
+    assert list(p.calibrated()) == ["fp8_scale"] and TensorPolicy().calibrated() == {}
 
 
 @pytest.mark.parametrize("policy,pattern", [

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.errors import EXIT_USER
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
         "tracking.enabled=false", "traces.reservoir_size=16", "probes.lengths=[64]"]
@@ -62,7 +64,7 @@ def test_recipe_with_only_keys_quantized(tmp_path):
 
 def test_llama3_without_weights_is_a_short_message(tmp_path):
     out = _run(["run", "model=llama3"], tmp_path)
-    assert out.returncode == 2 and "model.path=" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == EXIT_USER and "model.path=" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow

@@ -2,8 +2,9 @@
 kvquant-4b-1pct passes (small windows, so the test stays short)."""
 import pytest
 
-from pipeline.app import GateError, run_pipeline
+from pipeline.app import run_pipeline
 from pipeline.config import DataConfig, EvalConfig, RunConfig, load_recipe
+from pipeline.errors import GateError
 
 
 def _cfg(recipe: str, cache_dir) -> RunConfig:

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.errors import EXIT_UNREACHABLE, EXIT_USER
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
         "traces.reservoir_size=16"]
@@ -358,7 +360,7 @@ def test_store_failure_while_recording_marks_run_failed(server, client, tmp_path
 
 def test_failed_stage_marks_run_failed(launched, client):
     out = launched.result("failing")  # traces.reservoir_size=0: the traces stage raises ValueError
-    assert out.returncode == 2 and "traces.reservoir_size must be >= 1" in out.stderr, out.stderr[-2000:]
+    assert out.returncode == EXIT_USER and "traces.reservoir_size must be >= 1" in out.stderr, out.stderr[-2000:]
     (run_id,) = _run_ids(out.stdout)
     run = client.get_run(run_id)
     assert run.info.status == "FAILED"
@@ -386,7 +388,7 @@ def test_sweep_has_a_parent_run_with_a_child_per_job(launched, client):
 def test_unreachable_store_still_writes_results(launched):
     uri = launched.nowhere
     required, optional = launched.result("unreachable-true"), launched.result("unreachable-false")
-    assert required.returncode == 3, required.stderr[-2000:]
+    assert required.returncode == EXIT_UNREACHABLE, required.stderr[-2000:]
     assert uri in required.stderr and "error:" in required.stderr, required.stderr[-2000:]
     assert "Traceback" not in required.stderr
     assert optional.returncode == 0, optional.stderr[-2000:]

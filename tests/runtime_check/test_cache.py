@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from exporters.codec import CachePolicy, TensorPolicy, encode, decode, fake_quant
+from exporters.codec import CachePolicy, TensorPolicy, encode, decode, encoded_bits, fake_quant
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
 from runtime_check.cache import ArtifactCache, append, check_batch, generate, load, store
-from stages.evaluate import rope_tables
+from stages.hooks import rope_tables
 
 BOOK4 = torch.linspace(-1, 1, 16)
 
@@ -38,6 +38,23 @@ def test_stored_bytes_decode_like_the_codec(p):
     assert torch.equal(decode(load(merged, p), p), torch.cat([decode(first, p), decode(second, p)], 2))
     if p.format in ("uniform", "nuq"):
         assert block.tensors["codes"].dtype == torch.uint8 and block.tensors["codes"].shape[-1] == 16 * p.bits // 8
+
+
+@pytest.mark.parametrize("p", [
+    TensorPolicy(format="uniform", bits=3, axis="token"),
+    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=3),
+    TensorPolicy(format="uniform", bits=4, axis="token", outlier_fraction=0.05),
+    TensorPolicy(format="nuq", bits=3, axis="token", codebook=torch.linspace(-1, 1, 8), outlier_fraction=0.05),
+    TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.linspace(-1, 1, 4), zero=torch.zeros(3, 5),
+                 range=torch.ones(3, 5)),
+    TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((3,), 0.01)),
+    TensorPolicy(),
+])
+def test_stored_bytes_are_the_size_model(p):
+    """What the cache stores, measured, is what codec.encoded_bits counts (d=5: codes do not fill whole bytes)."""
+    x = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(0))
+    e = encode(x, p)
+    assert store(e, p, start=0).nbytes * 8 == encoded_bits(e, p)
 
 
 def test_fp16_artifact_cache_generates_like_the_model(tiny):

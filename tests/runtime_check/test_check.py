@@ -1,100 +1,79 @@
-"""The runtime check on tiny-model artifacts: passes for every recipe, fails for each planted fault."""
-import json
-import os
-import subprocess
-import sys
+"""Kernel vs oracle on tiny-model artifacts (runtime_check/check.py): the bound, the recorded decode inputs, and a
+case that passes with the kernel and fails for each planted fault. The check as the pipeline runs it (model,
+text, manifest, exit codes) is tests/pipeline/test_check.py."""
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import DynamicCache
 
-from exporters import manifest as mf
-from exporters.native import load_artifact, write_artifact
-from pipeline.config import CheckConfig, load_recipe, recipe_names
-from pipeline.errors import UserError
-from pipeline.hashing import sha256_file, sha256_tensor
+from exporters.native import load_artifact
+from pipeline.check import eval_ids
 from runtime_check import triton_attention
 from runtime_check.cache import StoredBlock
-from runtime_check.check import RuntimeCheckError, run_check
-from stages import policy as policy_stage
-from stages.hooks import attention_layers, forward_hooks
-
-ROOT = Path(__file__).resolve().parents[2]
-FAST = CheckConfig(contexts=[170], batches=[2])  # > KIVI's 128 residual + one 32-token group: every path runs
+from runtime_check.check import ATOL, RTOL, KernelFailed, check_case, compare, record, tolerance
 
 
-def quiet(_msg):
-    pass
+def _timing():
+    return {"kernel_s": 0.0, "oracle_s": 0.0}
 
 
-@pytest.fixture(scope="module")
-def calib(tiny, tiny_windows):
-    """Calibration tensors every recipe may ask for, from the tiny model's own K / V on text."""
-    spec = tiny.spec
-    pre_k, vals = {}, {}
-
-    def grab(store, i):
-        def hook(_m, _inp, out):
-            store[i] = out.view(out.shape[0], out.shape[1], spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        return hook
-
-    hooks = [(a.k_proj, grab(pre_k, i), False) for i, a in enumerate(attention_layers(tiny.model))]
-    hooks += [(a.v_proj, grab(vals, i), False) for i, a in enumerate(attention_layers(tiny.model))]
-    with torch.no_grad(), forward_hooks(hooks):
-        tiny.model(tiny_windows.calib)
-    k = torch.stack([pre_k[i] for i in range(spec.n_layers)])              # [L, N, H, T, D]
-    v = torch.stack([vals[i] for i in range(spec.n_layers)])
-    g = torch.Generator().manual_seed(0)
-    half = spec.head_dim // 2
-    smooth = (k.abs().amax((1, 3)) ** 0.5).view(spec.n_layers, spec.n_kv_heads, 2, half).amax(2).repeat(1, 1, 2)
-
-    def channel_stats(keys, f=0.01):
-        flat = keys.transpose(1, 2).reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)
-        lo, hi = flat.quantile(f / 2, dim=2), flat.quantile(1 - f / 2, dim=2)
-        return {"zero": (hi + lo) / 2, "range": (hi - lo) / 2, "lower": lo, "upper": hi}
-
-    out = {"k_absmax": k.abs().amax((1, 3)), "v_absmax": v.abs().amax((1, 3)), "smooth": smooth,
-           "prefix_ids": torch.tensor([tiny.spec.bos_token_id])}
-    for bits in (2, 3, 4):
-        levels = torch.sort(torch.rand(spec.n_layers, 2 ** bits - 2, generator=g) * 1.9 - 0.95).values
-        edges = torch.ones(spec.n_layers, 1)
-        out[f"k_codebook_{bits}"] = torch.cat([-edges, levels, edges], 1)
-        out[f"v_codebook_{bits}"] = out[f"k_codebook_{bits}"].clone()  # separate tensors, as calibration gives
-    return {"plain": out | channel_stats(k), "smooth": out | channel_stats(k / smooth[:, None, :, None, :])}
-
-
-def make_artifact(tmp_path: Path, tiny, calib, recipe: str) -> Path:
-    q = load_recipe(recipe)
-    pol = policy_stage.build(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+def _case(tiny, path, context: int, batch: int):
+    """(policy, ids [batch, context + 1], prefix) of an artifact, as the check feeds check_case."""
+    artifact = load_artifact(path, tiny.spec)
     prefix = None
-    if q.prefix:
-        ids = pol.prefix_ids
-        cache = DynamicCache()
-        with torch.no_grad():
-            tiny.model(ids[None], cache=cache)
-        prefix = {"token_ids": ids.tolist(), "k": torch.stack([layer.keys[0] for layer in cache.layers]),
-                  "v": torch.stack([layer.values[0] for layer in cache.layers])}
-    man, tensors = mf.build_manifest(pol, tiny.spec, {"data": {}}, {}, prefix=prefix)
-    return write_artifact(tmp_path / recipe, man, tensors)
+    if artifact.manifest["cache"]["prefix"]:
+        pj = artifact.manifest["cache"]["prefix"]
+        prefix = {"ids": torch.tensor(pj["token_ids"], dtype=torch.long),
+                  "k": artifact.tensors[pj["tensors"]["k"]], "v": artifact.tensors[pj["tensors"]["v"]]}
+    return artifact.policy, eval_ids(tiny.tokenizer, batch, context + 1), prefix
 
 
-def manifest_of(path: Path) -> dict:
-    return json.loads((path / "manifest.json").read_text())
+def test_compare_applies_the_bound():
+    oracle = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    assert compare(oracle.clone(), oracle) == {"max_abs_err": 0.0, "max_rel_err": 0.0, "scale": 4.0, "ok": True}
+    inside = compare(oracle + 0.9 * RTOL * 4.0, oracle)
+    assert inside["ok"] and inside["max_rel_err"] == pytest.approx(0.9 * RTOL, rel=1e-2)  # float32 rounding
+    outside = compare(oracle + 1.1 * RTOL * 4.0, oracle)
+    assert not outside["ok"] and outside["max_rel_err"] == pytest.approx(1.1 * RTOL, rel=1e-2)
+    zeros = torch.zeros(2, 2)
+    assert compare(zeros + 0.5 * ATOL, zeros)["ok"] and not compare(zeros + 2 * ATOL, zeros)["ok"]
+    nan = compare(torch.tensor([[float("nan"), 0.0], [0.0, 0.0]]), oracle)
+    assert not nan["ok"] and nan["max_abs_err"] == float("inf")
 
 
-@pytest.mark.parametrize("recipe", recipe_names())
-def test_check_passes_for_every_recipe(tmp_path, tiny, calib, recipe):
-    path = make_artifact(tmp_path, tiny, calib, recipe)
-    result = run_check(path, tiny, FAST, log=quiet)
-    assert result["status"] == "passed", result
-    assert result["max_rel_err"] < 1e-5 and result["interpreter"] == (not torch.cuda.is_available())
-    written = manifest_of(path)["runtime_check"]
-    assert written["status"] == "passed" and written["tolerance"]["rtol"] == result["tolerance"]["rtol"]
-    assert {"max_abs_err", "max_rel_err", "reason", "device", "triton", "contexts", "batches"} <= set(written)
-    load_artifact(path, tiny.spec)  # the updated manifest still loads strictly
+def test_tolerance_states_each_term():
+    def manifest(key_format, key_rope, smoothing):
+        layer = {"key": {"format": key_format}, "value": {"format": "uniform"}}
+        return {"layers": [layer, layer], "cache": {"key_rope": key_rope, "smoothing": smoothing}}
+
+    tol, reason = tolerance(manifest("nuq", "pre", True))
+    assert tol["atol"] == ATOL and tol["rtol"] == RTOL and "max|kernel - oracle|" in tol["criterion"]
+    assert "formats nuq/uniform" in reason and "in-kernel cos/sin" in reason and "lambda folded into q" in reason
+    _, plain = tolerance(manifest("fp16", "pre", False))  # fp16 keys are stored post-RoPE whatever key_rope says
+    assert "cos/sin" not in plain and "lambda" not in plain and f"rtol={RTOL:g}" in plain
+
+
+@pytest.mark.parametrize("recipe", ["int4-token", "kvquant-3b-1pct+prefix"])
+def test_record_gives_the_decode_step_of_every_layer(tiny, make_artifact, recipe):
+    policy, ids, prefix = _case(tiny, make_artifact(recipe), 40, 2)
+    inputs = record(tiny, policy, ids, prefix)
+    n_prefix = 0 if prefix is None else prefix["ids"].numel()
+    assert len(inputs) == tiny.spec.n_layers
+    for inp in inputs:
+        assert inp.q.shape == (2, tiny.spec.n_q_heads, tiny.spec.head_dim) and inp.q.dtype == torch.float32
+        assert inp.length == n_prefix + 41  # the prefix, the 40 prompt rows and the decoded token's own row
+    if prefix is not None:  # the prefix rows are served from the artifact, as stored
+        sink_k = inputs[0].sink[0][:, :, :n_prefix]
+        assert torch.equal(sink_k, prefix["k"][0].to(torch.float16)[None].expand_as(sink_k))
+
+
+def test_check_case_passes_with_the_kernel(tiny, make_artifact):
+    policy, ids, prefix = _case(tiny, make_artifact("kvquant-3b-1pct+smooth+prefix"), 64, 2)
+    timing = _timing()
+    case = check_case(tiny, policy, ids, prefix, triton_attention.decode_attention, timing)
+    assert case["ok"] and case["max_rel_err"] < 1e-5 and 0 <= case["worst_layer"] < tiny.spec.n_layers
+    assert set(case) == {"max_abs_err", "max_rel_err", "worst_layer", "ok"}
+    assert timing["kernel_s"] > 0 and timing["oracle_s"] > 0
 
 
 def _permuted_codebook(inp):
@@ -123,72 +102,18 @@ def _token_major(inp):
 
 @pytest.mark.parametrize("fault", [_permuted_codebook, _shifted_positions, _token_major],
                          ids=["corrupted-codebook", "wrong-rope-positions", "swapped-kv-axes"])
-def test_check_fails_on_each_fault(tmp_path, tiny, calib, fault):
-    path = make_artifact(tmp_path, tiny, calib, "kvquant-3b-1pct")
-    result = run_check(path, tiny, CheckConfig(contexts=[64], batches=[2]), kernel=fault, log=quiet)
-    assert result["status"] == "failed" and "error" not in result
-    assert result["max_rel_err"] > 10 * result["tolerance"]["rtol"], result["max_rel_err"]  # far outside, not marginal
-    assert manifest_of(path)["runtime_check"]["status"] == "failed"
+def test_check_case_fails_on_each_fault(tiny, make_artifact, fault):
+    policy, ids, prefix = _case(tiny, make_artifact("kvquant-3b-1pct"), 64, 2)
+    case = check_case(tiny, policy, ids, prefix, fault, _timing())
+    assert not case["ok"]
+    assert case["max_rel_err"] > 10 * RTOL, case["max_rel_err"]  # far outside the bound, not marginal
 
 
-def test_a_kernel_that_raises_is_a_recorded_failure(tmp_path, tiny, calib):
-    path = make_artifact(tmp_path, tiny, calib, "int4-token")
+def test_a_kernel_that_raises_is_kernel_failed(tiny, make_artifact):
+    policy, ids, prefix = _case(tiny, make_artifact("int4-token"), 16, 1)
 
     def broken(inp):
         raise ValueError("no such format")
 
-    result = run_check(path, tiny, CheckConfig(contexts=[16], batches=[1]), kernel=broken, log=quiet)
-    assert result["status"] == "failed" and "ValueError: no such format" in result["error"]
-    with pytest.raises(RuntimeCheckError, match="no such format; see runtime_check"):
-        raise RuntimeCheckError(path, result)
-
-
-def _cli(args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "pipeline", "check", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, calib):
-    """`python -m pipeline check DIR [contexts=..] [batches=..]`: 0 when it passes; a codebook whose levels were
-    permuted in the file (checksums re-made so only the content is wrong) is refused by the strict loader (2)."""
-    path = make_artifact(tmp_path, tiny, calib, "kvquant-4b-1pct")
-    out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]"], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "runtime check passed" in out.stdout and "context    170 batch 2" in out.stdout
-    written = manifest_of(path)["runtime_check"]
-    assert written["contexts"] == [40, 170] and written["batches"] == [2] and written["status"] == "passed"
-    with pytest.raises(UserError, match=r"each context must be in \[1, 4095\]"):
-        run_check(path, tiny, CheckConfig(contexts=[4096]), log=quiet)
-
-    tensors = load_file(str(path / "tensors.safetensors"))
-    tensors["layers.0.key.codebook"] = tensors["layers.0.key.codebook"].flip(0).contiguous()
-    save_file(tensors, str(path / "tensors.safetensors"))
-    man = manifest_of(path)
-    man["tensors"]["layers.0.key.codebook"]["sha256"] = sha256_tensor(tensors["layers.0.key.codebook"])
-    man["tensor_file"]["sha256"] = sha256_file(path / "tensors.safetensors")
-    (path / "manifest.json").write_text(json.dumps(man))
-    out = _cli([str(path), "contexts=[32]", "batches=[1]"], tmp_path)
-    assert out.returncode == 2 and "codebook must be finite and strictly increasing" in out.stderr
-
-
-def test_a_failed_check_fails_the_run(tmp_path, monkeypatch):
-    """run_pipeline runs the check after export; a disagreement is written to the manifest, then raised."""
-    from omegaconf import OmegaConf
-
-    from pipeline.app import run_pipeline
-    from pipeline.config import RunConfig, to_typed
-
-    cfg = to_typed(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist([
-        "model.name=tiny", "model.source=tiny", "data.n_samples=1", "data.seq_len=16", "data.eval_n_samples=1",
-        "data.eval_seq_len=16", "traces.reservoir_size=16", "eval.enabled=false", "tracking.enabled=false",
-        "sensitivity.enabled=false", "probes.enabled=false", "gate.enabled=false", "check.contexts=[16]",
-        "check.batches=[1]", f"cache_dir={tmp_path / 'cache'}", "quant.name=int4-token", "quant.key.format=uniform",
-        "quant.key.bits=4", "quant.key.axis=token", "quant.value.format=uniform", "quant.value.bits=4",
-        "quant.value.axis=token"])))
-    real = triton_attention.decode_attention
-    monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
-    with pytest.raises(RuntimeCheckError, match="runtime check failed"):
-        run_pipeline(cfg, tmp_path / "run", log=quiet, show_progress=False)
-    assert manifest_of(tmp_path / "run" / "artifact")["runtime_check"]["status"] == "failed"
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["runtime_check"]["status"] == "failed"
+    with pytest.raises(KernelFailed, match="layer 0: ValueError: no such format"):
+        check_case(tiny, policy, ids, prefix, broken, _timing())

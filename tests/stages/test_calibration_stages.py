@@ -3,8 +3,18 @@ import torch
 
 from exporters.codec import CodecError
 from pipeline.config import QuantConfig, TensorQuantConfig, TracesConfig, load_recipe
-from stages import codebooks, fisher, key_scales, outliers, policy, traces
+from stages import codebooks, fisher, key_scales, outliers, recipe, traces
+from stages.calibration_rows import CalibrationRows
 from stages.base import NonFiniteError
+
+
+def _scales(keys, pos, fraction=0.0, n_sink=1):
+    return key_scales.fit(CalibrationRows(keys, keys, pos, n_sink), key_scales.KeyScalesConfig(outlier_fraction=fraction))
+
+
+def _codebooks(keys, values, w, pos, scales, bits, cfg=None):
+    rows = CalibrationRows(keys, values, pos, 1, fisher_k=w, fisher_v=w)
+    return codebooks.fit(codebooks.Inputs(rows, scales, 0.0, bits), cfg or codebooks.CodebookConfig())
 
 
 def _rows(values):  # list over reservoir rows of [L=1, H=1, D] -> [S, 1, 1, D]
@@ -14,33 +24,34 @@ def _rows(values):  # list over reservoir rows of [L=1, H=1, D] -> [S, 1, 1, D]
 def test_key_scales_minmax_and_sink_exclusion():
     keys = _rows([[100.0, -100.0], [1.0, 2.0], [3.0, -2.0], [-1.0, 0.0]])
     pos = torch.tensor([0, 5, 9, 3])  # row 0 is the sink (position 0): excluded
-    r = key_scales.fit(keys, pos, key_scales.KeyScalesConfig(outlier_fraction=0.0, n_sink=1)).tensors
+    r = _scales(keys, pos).tensors
     assert r["lower"].flatten().tolist() == [-1.0, -2.0] and r["upper"].flatten().tolist() == [3.0, 2.0]
     assert r["zero"].flatten().tolist() == [1.0, 0.0] and r["range"].flatten().tolist() == [2.0, 2.0]
 
 
 def test_key_scales_percentiles():
     keys = _rows([[float(i)] for i in range(101)])  # 0..100
-    r = key_scales.fit(keys, torch.arange(1, 102), key_scales.KeyScalesConfig(outlier_fraction=0.1, n_sink=1)).tensors
+    r = _scales(keys, torch.arange(1, 102), 0.1).tensors
     assert r["lower"].item() == pytest.approx(5.0) and r["upper"].item() == pytest.approx(95.0)
 
 
 def test_key_scales_constant_channel_and_bad_input():
     keys = _rows([[2.0, 1.0], [2.0, 3.0]])
-    r = key_scales.fit(keys, torch.tensor([4, 5]), key_scales.KeyScalesConfig(n_sink=1))
+    r = _scales(keys, torch.tensor([4, 5]))
     assert r.tensors["range"].flatten().tolist() == [0.0, 1.0] and r.meta["constant_channels"] == 1
     with pytest.raises(ValueError, match=r"outlier_fraction must be in \[0, 0.1\], got 0.5"):
-        key_scales.fit(keys, torch.tensor([4, 5]), key_scales.KeyScalesConfig(outlier_fraction=0.5))
+        _scales(keys, torch.tensor([4, 5]), 0.5)
     bad = keys.clone()
     bad[1, 0, 0, 1] = float("inf")
     with pytest.raises(NonFiniteError, match="calibration keys of layer 0"):
-        key_scales.fit(bad, torch.tensor([4, 5]), key_scales.KeyScalesConfig(n_sink=1))
+        _scales(bad, torch.tensor([4, 5]))
 
 
 def test_outliers_report_the_calibration_fraction():
     keys = _rows([[0.0], [1.0], [2.0], [50.0]])
-    r = outliers.fit(keys, keys, torch.tensor([1, 2, 3, 4]), torch.tensor([[[0.0]]]), torch.tensor([[[2.0]]]),
-                     fraction=0.01, n_sink=1)
+    rows = CalibrationRows(keys, keys, torch.tensor([1, 2, 3, 4]), 1)
+    r = outliers.fit(outliers.Inputs(rows, torch.tensor([[[0.0]]]), torch.tensor([[[2.0]]])),
+                     outliers.OutliersConfig(fraction=0.01))
     assert r.meta["calib_fraction_k"] == 0.25 and r.meta["configured_fraction"] == 0.01
 
 
@@ -50,9 +61,9 @@ def test_codebooks_fit_the_normalized_inliers():
     keys = torch.randn(s, 1, 1, d, generator=gen) * 3 + 1
     values = torch.randn(s, 1, 1, d, generator=gen)
     pos = torch.arange(s) + 1
-    scales = key_scales.fit(keys, pos, key_scales.KeyScalesConfig(outlier_fraction=0.0, n_sink=1)).tensors
+    scales = _scales(keys, pos).tensors
     w = torch.ones(s, 1, 1, d)
-    r = codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, codebooks.CodebookConfig(bits=[2, 3], n_bins=256))
+    r = _codebooks(keys, values, w, pos, scales, [2, 3], codebooks.CodebookConfig(n_bins=256))
     k2, v3 = r.tensors["k_codebook_2"], r.tensors["v_codebook_3"]
     assert k2.shape == (1, 4) and v3.shape == (1, 8)
     assert (k2.abs() <= 1).all() and (k2.diff() > 0).all()
@@ -61,7 +72,7 @@ def test_codebooks_fit_the_normalized_inliers():
     rep = r.meta["sse"]["k2"][0]
     assert rep["sse_exact"] <= rep["sse_lloyd"] * (1 + 1e-6)
     with pytest.raises(ValueError, match=r"codebooks.bits must be in \(2, 3, 4\)"):
-        codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, codebooks.CodebookConfig(bits=[5]))
+        _codebooks(keys, values, w, pos, scales, [5])
 
 
 def test_codebook_weighting_counts_the_scale():
@@ -76,19 +87,19 @@ def test_codebook_weighting_counts_the_scale():
     w, pos = torch.ones(15, 1, 1, 2), torch.arange(15) + 1
     books = {}
     for weighting in ("fisher", "fisher-scale2"):
-        cfg = codebooks.CodebookConfig(bits=[2], n_bins=1024, lloyd_check=False, weighting=weighting)
-        books[weighting] = codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, cfg).tensors["k_codebook_2"][0]
+        cfg = codebooks.CodebookConfig(n_bins=1024, lloyd_check=False, weighting=weighting)
+        books[weighting] = _codebooks(keys, values, w, pos, scales, [2], cfg).tensors["k_codebook_2"][0]
     assert int((books["fisher"] < 0).sum()) == 2
     assert int((books["fisher-scale2"] < 0).sum()) == 1
     assert books["fisher-scale2"][1:].tolist() == pytest.approx(ch1, abs=0.01)
     with pytest.raises(ValueError, match=r"codebooks.weighting must be one of .*got 'mse'"):
-        codebooks.fit(keys, values, w, w, pos, scales, 0.0, 1, codebooks.CodebookConfig(bits=[2], weighting="mse"))
+        _codebooks(keys, values, w, pos, scales, [2], codebooks.CodebookConfig(weighting="mse"))
 
 
 def test_fisher_matches_autograd_on_one_element(tiny, tiny_windows):
     windows = tiny_windows.calib[:2]
     res_sample, res_pos = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 10])
-    r = fisher.fit(tiny.model, tiny.spec, windows, res_sample, res_pos)
+    r = fisher.fit(fisher.Inputs(tiny.model, tiny.spec, windows, res_sample, res_pos))
     assert r.tensors["fisher_k"].shape == (3, 2, 2, 16)
     # direct: gradient of the summed LM loss w.r.t. layer 1's k_proj output at (sample 1, position 10)
     captured = {}
@@ -112,13 +123,13 @@ def test_residual_must_be_a_multiple_of_the_group():
     q = load_recipe("kivi-2")
     q.residual = 100
     with pytest.raises(CodecError, match=r"quant.residual=100 must be a multiple of the key group size quant.key.group_size=32"):
-        policy.build(q, 1, {})
+        recipe.build_policy(q, 1, {})
 
 
 def test_bits_outside_the_allowed_set():
     q = QuantConfig(name="x", key=TensorQuantConfig(format="uniform", bits=5, axis="token"))
     with pytest.raises(CodecError, match=r"quant.key.bits must be one of \(2, 3, 4, 8\), got 5"):
-        policy.build(q, 1, {})
+        recipe.build_policy(q, 1, {})
 
 
 def test_every_recipe_file_loads():

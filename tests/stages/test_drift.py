@@ -22,7 +22,7 @@ def test_isolate_quantizes_one_layer_only():
 
 def test_sensitivity_on_tiny_model(tiny, tiny_windows):
     p = CachePolicy("int2", [(INT2, INT2)] * tiny.spec.n_layers)
-    r = sensitivity.fit(tiny.model, tiny.spec, tiny_windows.eval, p, SensitivityConfig(n_windows=1, buckets=[0, 16, 32]))
+    r = sensitivity.fit(sensitivity.Inputs(tiny.model, tiny.spec, tiny_windows.eval, p), SensitivityConfig(n_windows=1, buckets=[0, 16, 32]))
     t = r.tensors
     assert t["kl"].shape == (3, 2) and t["map_cos"].shape == (2, 3)
     assert (t["kl"] >= -1e-6).all() and (t["map_cos"] <= 1 + 1e-5).all()
@@ -74,5 +74,5 @@ def test_passkey_prompt_plants_the_needle(tiny):
 def test_probes_on_tiny_model(tiny):
     cfg = ProbeConfig(lengths=[96], depths=[0.5])
     prompts = probes.make_prompts(tiny.tokenizer, cfg)
-    r = probes.fit(tiny.model, tiny.spec, prompts, [CachePolicy("int2", [(INT2, INT2)] * tiny.spec.n_layers)])
+    r = probes.fit(probes.Inputs(tiny.model, tiny.spec, prompts, [CachePolicy("int2", [(INT2, INT2)] * tiny.spec.n_layers)]), cfg)
     assert set(r.meta["accuracy"]) == {"fp16", "int2"} and r.meta["cells"]["fp16"].keys() == {"96@0.5"}

@@ -5,8 +5,8 @@ import torch
 
 from exporters.codec import TensorPolicy
 from pipeline.config import TracesConfig, load_recipe
-from stages import evaluate, policy
-from stages.policy import CachePolicy
+from stages import evaluate
+from exporters.codec import CachePolicy
 
 
 def _policy(name, k, v, n_layers=2, **kw):
@@ -22,7 +22,7 @@ def test_reference_and_fp16_cache_agree(tiny, tiny_windows):
     ref = _policy("ref", FP16, FP16)
     # an fp16 cache through the codec path (sink flag forces the quantized attention): tiny rounding only
     via_codec = _policy("codec-fp16", FP16, FP16, n_sink=1, smooth=torch.ones(2, 2, 16))
-    r = evaluate.fit(tiny.model, tiny.spec, w, [ref, via_codec]).meta["recipes"]
+    r = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [ref, via_codec])).meta["recipes"]
     assert r["ref"]["kl"] == 0 and r["ref"]["top1"] == 1 and r["ref"]["avg_bits"] == 16
     assert r["codec-fp16"]["kl"] < 1e-5 and r["codec-fp16"]["top1"] > 0.98
     assert math.isclose(r["codec-fp16"]["ppl"], r["ref"]["ppl"], rel_tol=1e-3)
@@ -33,7 +33,7 @@ def test_residual_window_covering_the_sequence_is_exact(tiny, tiny_windows):
     full = _policy("all-recent", INT2, INT2, residual=64)
     none = _policy("int2", INT2, INT2)
     half = _policy("int2-r16", INT2, INT2, residual=16)
-    r = evaluate.fit(tiny.model, tiny.spec, w, [_policy("ref", FP16, FP16), full, none, half]).meta["recipes"]
+    r = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [_policy("ref", FP16, FP16), full, none, half])).meta["recipes"]
     assert r["all-recent"]["kl"] < 1e-6 and r["all-recent"]["avg_bits"] == pytest.approx(16.0)
     assert r["int2"]["kl"] > r["int2-r16"]["kl"] > r["all-recent"]["kl"]
     # ledger: int2 per token and head, D = 16: 2 + 2*16/16 = 4 bits per element
@@ -46,7 +46,7 @@ def test_pre_rope_identity_path_matches_reference(tiny, tiny_windows):
     """Keys taken pre-RoPE from the k_proj hook and rotated by our RoPE must equal the model's own keys."""
     w = tiny_windows.eval[:1]
     pre = _policy("pre-fp16", FP16, FP16, key_rope="pre", n_sink=1)
-    r = evaluate.fit(tiny.model, tiny.spec, w, [_policy("ref", FP16, FP16), pre]).meta["recipes"]
+    r = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [_policy("ref", FP16, FP16), pre])).meta["recipes"]
     assert r["pre-fp16"]["kl"] < 1e-5
 
 

@@ -10,7 +10,7 @@ from exporters.codec import CachePolicy, TensorPolicy
 from exporters.rope import apply_rope
 from pipeline.config import PrefixConfig
 from stages import evaluate, prefix_tokens
-from stages.evaluate import rope_tables
+from stages.hooks import rope_tables
 
 BOS = 1
 
@@ -120,7 +120,7 @@ def test_evaluation_serves_windows_after_the_prefix(tiny, tiny_windows):
     policies = [pol("fp16", fp16), pol("fp16+prefix", fp16, prefix_ids=ids, prefix_len=2),
                 pol("codec+prefix", fp16, prefix_ids=ids, prefix_len=2, smooth=torch.ones(n_layers, 2, 16)),
                 pol("int2+prefix", int2, prefix_ids=ids, prefix_len=2, n_sink=1)]
-    r = evaluate.fit(tiny.model, tiny.spec, w, policies).meta["recipes"]
+    r = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, policies)).meta["recipes"]
     assert r["fp16+prefix"]["kl"] > 1e-4                      # the prefix's own context effect, against plain fp16
     assert r["fp16+prefix"]["avg_bits"] == 16
     assert abs(r["codec+prefix"]["kl"] - r["fp16+prefix"]["kl"]) < 1e-4   # fp16 codec path: rounding only

@@ -6,12 +6,12 @@ import torch
 from exporters.rope import apply_rope
 from pipeline.config import SmoothConfig, TracesConfig
 from stages import smooth_attention, traces
-from stages.evaluate import rope_tables
+from stages.hooks import rope_tables
 from stages.hooks import attention_layers, attention_override, forward_hooks, sdpa_attention
 
 
 def _fit(q, k, alpha=0.5, beta=0.0):
-    res = smooth_attention.fit(torch.tensor(q), torch.tensor(k), SmoothConfig(alpha, beta), "rotate_half")
+    res = smooth_attention.fit(smooth_attention.Inputs(torch.tensor(q), torch.tensor(k), "rotate_half"), SmoothConfig(alpha, beta))
     return res.tensors["smooth"]
 
 
@@ -47,12 +47,12 @@ def test_a_dead_pair_gets_lambda_one():
 def test_alpha_beta_outside_unit_interval_are_refused(field, value):
     cfg = SmoothConfig(**{field: value})
     with pytest.raises(ValueError, match=rf"smooth.{field} must be in \[0, 1\], got {value}"):
-        smooth_attention.fit(torch.ones(1, 1, 4), torch.ones(1, 1, 4), cfg, "rotate_half")
+        smooth_attention.fit(smooth_attention.Inputs(torch.ones(1, 1, 4), torch.ones(1, 1, 4), "rotate_half"), cfg)
 
 
 def test_unknown_rope_pairing_is_refused_by_name():
     with pytest.raises(ValueError, match="RoPE pairing must be one of \\('rotate_half',\\), got 'interleaved'"):
-        smooth_attention.fit(torch.ones(1, 1, 4), torch.ones(1, 1, 4), SmoothConfig(), "interleaved")
+        smooth_attention.fit(smooth_attention.Inputs(torch.ones(1, 1, 4), torch.ones(1, 1, 4), "interleaved"), SmoothConfig())
 
 
 @pytest.mark.parametrize("bad,beta", [(float("inf"), 0.0), (float("nan"), 0.0)])
@@ -60,14 +60,14 @@ def test_non_finite_lambda_names_layer_head_channel(bad, beta):
     k = torch.ones(2, 2, 4)
     k[1, 0, 3] = bad
     with pytest.raises(ValueError, match=r"layer 1, kv head 0, channel 1 \(RoPE pair 1/3"):
-        smooth_attention.fit(torch.ones(2, 2, 4), k, SmoothConfig(beta=beta), "rotate_half")
+        smooth_attention.fit(smooth_attention.Inputs(torch.ones(2, 2, 4), k, "rotate_half"), SmoothConfig(beta=beta))
 
 
 def test_a_zero_lambda_from_an_infinite_query_is_refused():
     q = torch.ones(1, 1, 4)
     q[0, 0, 2] = float("inf")
     with pytest.raises(ValueError, match=r"layer 0, kv head 0, channel 0 \(RoPE pair 0/2"):
-        smooth_attention.fit(q, torch.ones(1, 1, 4), SmoothConfig(beta=1.0), "rotate_half")
+        smooth_attention.fit(smooth_attention.Inputs(q, torch.ones(1, 1, 4), "rotate_half"), SmoothConfig(beta=1.0))
 
 
 def _attention_logits(lm, ids, lam=None):
@@ -109,8 +109,8 @@ def _rel(a, b):
 
 
 def _check_logits_equivalence(lm, windows):
-    stats = traces.fit(lm.model, lm.spec, windows.calib[:, :32], TracesConfig(reservoir_size=16)).tensors
-    res = smooth_attention.fit(stats["q_absmax"], stats["k_pre_absmax"], SmoothConfig(), lm.spec.rope_pairing)
+    stats = traces.fit(traces.Inputs(lm.model, lm.spec, windows.calib[:, :32]), TracesConfig(reservoir_size=16)).tensors
+    res = smooth_attention.fit(smooth_attention.Inputs(stats["q_absmax"], stats["k_pre_absmax"], lm.spec.rope_pairing), SmoothConfig())
     lam = res.tensors["smooth"]
     assert lam.std() > 0  # a non-trivial transform
     ids = windows.eval[:1, :64]

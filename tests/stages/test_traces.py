@@ -54,7 +54,7 @@ def _direct_projections(model, ids):
 
 def test_traces_on_tiny_model_match_direct_activations(tiny, tiny_windows):
     spec, windows = tiny.spec, tiny_windows.calib
-    res = traces.fit(tiny.model, spec, windows, TracesConfig(reservoir_size=32, n_first_positions=4, down_top_k=5))
+    res = traces.fit(traces.Inputs(tiny.model, spec, windows), TracesConfig(reservoir_size=32, n_first_positions=4, down_top_k=5))
     t = res.tensors
     assert t["k_pre_max"].shape == (spec.n_layers, spec.n_kv_heads, spec.head_dim)
     assert t["q_absmax"].shape == (spec.n_layers, spec.n_q_heads, spec.head_dim)
@@ -83,7 +83,7 @@ def test_traces_on_tiny_model_match_direct_activations(tiny, tiny_windows):
 
 def test_attention_mass_stride_one_is_exact(tiny, tiny_windows):
     w = tiny_windows.calib[:1]
-    exact = traces.fit(tiny.model, tiny.spec, w, TracesConfig(reservoir_size=4, n_first_positions=2, mass_query_stride=1))
+    exact = traces.fit(traces.Inputs(tiny.model, tiny.spec, w), TracesConfig(reservoir_size=4, n_first_positions=2, mass_query_stride=1))
     # hand-computed from the eager attention probabilities of the model itself
     tiny.model.config._attn_implementation = "eager"
     with torch.no_grad():
@@ -96,8 +96,8 @@ def test_attention_mass_stride_one_is_exact(tiny, tiny_windows):
 
 
 def test_memory_is_bounded_by_the_reservoir(tiny, tiny_windows):
-    small = traces.fit(tiny.model, tiny.spec, tiny_windows.calib[:1], TracesConfig(reservoir_size=16))
-    large = traces.fit(tiny.model, tiny.spec, tiny_windows.calib, TracesConfig(reservoir_size=16))
+    small = traces.fit(traces.Inputs(tiny.model, tiny.spec, tiny_windows.calib[:1]), TracesConfig(reservoir_size=16))
+    large = traces.fit(traces.Inputs(tiny.model, tiny.spec, tiny_windows.calib), TracesConfig(reservoir_size=16))
     assert small.tensors["res_k"].shape == large.tensors["res_k"].shape
 
 
@@ -106,6 +106,6 @@ def test_nan_activation_names_layer_and_tensor(tiny, tiny_windows):
     handle = layer.register_forward_hook(lambda m, a, o: o.index_fill(-1, torch.tensor([0]), float("nan")))
     try:
         with pytest.raises(NonFiniteError, match=r"layer 1 v_proj output"):
-            traces.fit(tiny.model, tiny.spec, tiny_windows.calib[:1], TracesConfig(reservoir_size=4))
+            traces.fit(traces.Inputs(tiny.model, tiny.spec, tiny_windows.calib[:1]), TracesConfig(reservoir_size=4))
     finally:
         handle.remove()

@@ -4,7 +4,7 @@ Same data protocol as bench.quality. The layer policy is chosen from per-layer s
 calibration windows (valid.txt), then the whole stack is evaluated on the test windows beside every uniform
 recipe.
 
-python -m bench.policy --budget 3.0 --json PATH
+python -m bench.mixed_precision --budget 3.0 --json PATH
 """
 from __future__ import annotations
 

@@ -1,23 +1,62 @@
-"""A recipe (conf/quant) plus calibration results -> the per-layer cache policy that evaluation and export use."""
+"""Recipes: how a quant config (conf/quant/NAME.yaml) names the stored form of K and V, and how a recipe plus
+calibration results resolves to the per-layer CachePolicy that evaluation, export and serving use.
+
+A recipe is configuration only (formats, bits, axes, sink and residual rows, smoothing, prefix); the policy it
+resolves to carries the calibrated tensors (codebooks, static ranges, outlier bounds, fp8 scales) per layer.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy, fp8_scale_from_amax
-from pipeline.config import QuantConfig, TensorQuantConfig
 
 KEY_ROPE = ("pre", "post")
+
+
+@dataclass
+class TensorQuantConfig:
+    """How one cached tensor (K or V) is stored. See exporters/codec.py for the equations."""
+    format: str = "fp16"        # fp16 | uniform | nuq | fp8
+    bits: int = 16              # 2 | 3 | 4 | 8 | 16
+    axis: str = "tensor"        # token | channel | tensor | head
+    group_size: int = 0         # tokens per scale group for per-channel uniform (KIVI); 0: static (calibrated)
+    outlier_fraction: float = 0.0
+    fp8_dtype: str = "e4m3"     # e4m3 | e5m2
+
+    def to_policy(self) -> TensorPolicy:
+        """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
+        return TensorPolicy(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group_size,
+                            outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype)
+
+
+@dataclass
+class QuantConfig:
+    name: str = "fp16"
+    key: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    value: TensorQuantConfig = field(default_factory=TensorQuantConfig)
+    key_rope: str = "post"      # pre | post: are keys quantized before or after RoPE
+    n_sink: int = 0             # first tokens kept in full precision
+    residual: int = 0           # most recent tokens kept in full precision
+    smooth: bool = False
+    prefix: bool = False
 
 
 def needs_calibration(q: QuantConfig) -> bool:
     return q.key.format == "nuq" or q.value.format == "nuq"
 
 
-def _validate_recipe(q: QuantConfig) -> None:
+def codebook_bits(q: QuantConfig) -> list[int]:
+    """The codebook bit-widths a recipe needs fitted (nuq tensors only)."""
+    return sorted({t.bits for t in (q.key, q.value) if t.format == "nuq"})
+
+
+def validate_recipe(q: QuantConfig) -> None:
+    """The recipe's own fields, before any stage runs; the message names the field, the allowed values and
+    the value given."""
     for kind in ("key", "value"):
-        t = getattr(q, kind)
-        TensorPolicy(format=t.format, bits=t.bits, axis=t.axis, group_size=t.group_size,
-                     outlier_fraction=t.outlier_fraction, fp8_dtype=t.fp8_dtype).validate_config(f"quant.{kind}")
+        getattr(q, kind).to_policy().validate_config(f"quant.{kind}")
     if q.key_rope not in KEY_ROPE:
         raise CodecError(f"quant.key_rope must be one of {KEY_ROPE}, got {q.key_rope!r}")
     for name in ("n_sink", "residual"):
@@ -30,8 +69,7 @@ def _validate_recipe(q: QuantConfig) -> None:
 
 
 def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> TensorPolicy:
-    p = TensorPolicy(format=t.format, bits=t.bits, axis=t.axis, group_size=t.group_size,
-                     outlier_fraction=t.outlier_fraction, fp8_dtype=t.fp8_dtype)
+    p = t.to_policy()
     if t.format == "nuq":
         p.codebook = calib[f"{kind}_codebook_{t.bits}"][layer]
     if t.format == "nuq" and t.axis == "channel":
@@ -45,11 +83,11 @@ def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> 
     return p
 
 
-def build(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) -> CachePolicy:
+def build_policy(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) -> CachePolicy:
     """calib: tensors by name -- k_absmax / v_absmax [L, H, D] (fp8), zero / range / lower / upper [L, H, D]
     (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq), smooth [L, H, D] (quant.smooth), prefix_ids [P]
     (quant.prefix). Only what the recipe uses must be present."""
-    _validate_recipe(q)
+    validate_recipe(q)
     layers = [(_tensor_policy(q.key, i, "k", calib), _tensor_policy(q.value, i, "v", calib)) for i in range(n_layers)]
     for flag, name in ((q.smooth, "smooth"), (q.prefix, "prefix_ids")):
         if flag and name not in calib:

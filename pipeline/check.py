@@ -1,0 +1,195 @@
+"""The runtime equivalence check of an exported artifact: the Triton kernel reading its cache computes the oracle's
+attention. `python -m pipeline check DIR` (main) and, after export, `python -m pipeline run` (run_check).
+
+For each context length T and batch size B of CheckConfig: B consecutive windows of evaluation text (the
+embedded source, so it runs on every machine) are compared through runtime_check.check.check_case, which fills
+the artifact's cache (prefill T tokens, then one decode step) and attends over it in every layer with the kernel
+and the oracle. The result -- status, errors, tolerance and its reason, device, Triton version -- is written
+into the manifest's `runtime_check` field. Without a GPU the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1). This module loads the model the artifact names, reads the text and the options, and
+writes the manifest; the comparison itself is runtime_check/check.py's.
+
+pipeline/config.py imports CheckConfig from here, so the module imports only the standard library at its top;
+torch, Triton, the model and the comparison are imported when a check runs.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class CheckConfig:
+    """The runtime check after export (pipeline/check.py): Triton kernel vs oracle on real K/V."""
+    enabled: bool = True
+    contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
+    batches: list[int] = field(default_factory=lambda: [1, 2])
+    gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
+
+
+def ensure_backend() -> bool:
+    """True when the kernels run natively on a GPU; else select Triton's interpreter before triton is imported."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    os.environ["TRITON_INTERPRET"] = "1"
+    return False
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name()}"
+    return "cpu (TRITON_INTERPRET=1)"
+
+
+def model_config_for(manifest: dict):
+    """The model the artifact names: conf/model/<name>.yaml (tiny, smollm2, llama3, ...)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import CONF_DIR, ModelConfig
+
+    name = manifest["model"]["name"]
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise UserError(f"artifact model.name={name!r} has no conf/model/{name}.yaml; known models: {known}")
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
+    assert isinstance(obj, ModelConfig)
+    return obj
+
+
+def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
+    """[n_windows, length] consecutive windows of the embedded evaluation text."""
+    from pipeline.config import DataConfig
+    from pipeline.data import consecutive_windows, load_texts, tokenize
+
+    _, text, _ = load_texts(DataConfig(source="embedded"))
+    need = n_windows * length
+    chars = 8 * need + 1024  # tokenize only what the windows need (the text is ~1e6 characters)
+    ids = tokenize(tokenizer, text[:chars])
+    if ids.numel() < need:
+        ids = tokenize(tokenizer, text)
+    return consecutive_windows(ids, n_windows, length, what="runtime-check")
+
+
+def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | None = None,
+              kernel: Callable | None = None, write: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Kernel vs oracle on real K/V of the model the artifact names -> the runtime_check record (also written
+    into the manifest unless write=False). model_bundle: a pipeline.model.LoadedModel (loaded when None).
+    kernel: the attention under test (DecodeInputs -> [B, H_q, D]); tests pass a faulty one."""
+    native = ensure_backend()
+    import torch
+    import triton
+
+    from exporters.native import load_artifact, read_manifest, update_manifest
+    from runtime_check.check import RTOL, KernelFailed, check_case, tolerance
+
+    if kernel is None:
+        from runtime_check.triton_attention import decode_attention
+        block_t = 32 if native else 256  # the interpreter's cost is per tile op: few large tiles on the CPU
+
+        def kernel(inp):
+            return decode_attention(inp, block_t=block_t)
+
+    cfg = cfg or CheckConfig()
+    contexts = list(cfg.gpu_contexts if native else cfg.contexts)
+    batches = list(cfg.batches)
+    _validate(contexts, batches, None)  # before a model is loaded for nothing
+    manifest = read_manifest(artifact_dir)
+    if model_bundle is None:
+        from pipeline.model import load_model
+        model_bundle = load_model(model_config_for(manifest))
+    artifact = load_artifact(artifact_dir, model_bundle.spec)
+    prefix = None
+    if artifact.manifest["cache"]["prefix"]:
+        pj = artifact.manifest["cache"]["prefix"]
+        prefix = {"ids": torch.tensor(pj["token_ids"], dtype=torch.long),
+                  "k": artifact.tensors[pj["tensors"]["k"]], "v": artifact.tensors[pj["tensors"]["v"]]}
+    _validate(contexts, batches, model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
+    windows = eval_ids(model_bundle.tokenizer, max(batches), max(contexts) + 1)
+    tol, reason = tolerance(artifact.manifest)
+    log(f"runtime check: {artifact.manifest['recipe']} on {artifact.manifest['model']['name']}, "
+        f"contexts {contexts} x batches {batches}, {model_bundle.spec.n_layers} layers, {device_name()}")
+    cases, timing, error = [], {"kernel_s": 0.0, "oracle_s": 0.0}, None
+    for t in contexts:
+        for b in batches:
+            try:
+                case = check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, kernel, timing)
+            except KernelFailed as exc:
+                error = f"context {t}, batch {b}: {exc}"
+                break
+            cases.append({"context": t, "batch": b, **case})
+            log(f"  context {t:>6} batch {b}: max_abs_err {case['max_abs_err']:.3e} max_rel_err "
+                f"{case['max_rel_err']:.3e} (layer {case['worst_layer']}) {'ok' if case['ok'] else 'FAILED'}")
+        if error:
+            break
+    passed = error is None and bool(cases) and all(c["ok"] for c in cases)
+    result = {
+        "status": "passed" if passed else "failed",
+        "max_abs_err": max((c["max_abs_err"] for c in cases), default=None),
+        "max_rel_err": max((c["max_rel_err"] for c in cases), default=None),
+        "tolerance": tol, "reason": reason, "device": device_name(), "triton": triton.__version__,
+        "interpreter": not native, "contexts": contexts, "batches": batches, "cases": cases,
+        **{k: round(v, 3) for k, v in timing.items()},
+        "data": "embedded:pydoc_data.topics (evaluation half)",
+    }
+    if error:
+        result["error"] = error
+    if write:
+        update_manifest(artifact_dir, runtime_check=result)
+    if passed:
+        log(f"runtime check passed: max_abs_err {result['max_abs_err']:.3e}, max_rel_err "
+            f"{result['max_rel_err']:.3e} <= rtol {RTOL:g} (Triton {triton.__version__}, {result['device']})")
+    else:
+        log(f"runtime check FAILED: {error or 'kernel and oracle disagree beyond the tolerance'}")
+    return result
+
+
+def _validate(contexts: list[int], batches: list[int], max_context: int | None) -> None:
+    """max_context: the model's positions less the prefix (None: not known yet, check the lower bounds only)."""
+    if not contexts or not batches:
+        raise UserError(f"check.contexts and check.batches must be non-empty, got {contexts} and {batches}")
+    for t in contexts:
+        if t < 1 or (max_context is not None and t >= max_context):
+            upper = "" if max_context is None else f", {max_context - 1}"
+            raise UserError(f"check.contexts: each context must be in [1{upper}] (at most the model's positions less "
+                            f"the prefix and the decoded token), got {t}")
+    for b in batches:
+        if b < 1:
+            raise UserError(f"check.batches: each batch size must be >= 1, got {b}")
+
+
+def main(args: list[str]) -> int:
+    """`python -m pipeline check DIR [contexts=[64,200]] [batches=[1,2]] [gpu_contexts=[...]]`: EXIT_OK when the
+    check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact or the arguments are refused."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from exporters.manifest import ManifestError
+
+    directory, overrides = args[0], [a.removeprefix("check.") for a in args[1:]]
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CheckConfig), OmegaConf.from_dotlist(overrides)))
+        result = run_check(directory, cfg=cfg)
+    except OmegaConfBaseException as exc:
+        print(f"error: invalid check option: {exc}", file=sys.stderr)
+        return EXIT_USER
+    except (ManifestError, UserError) as exc:
+        print(f"error: {directory}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USER
+    return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
+
+
+__all__ = ["CheckConfig", "run_check", "main", "model_config_for", "eval_ids", "ensure_backend", "device_name",
+           "RuntimeCheckError"]

@@ -1,0 +1,64 @@
+"""The calibration rows a recipe's key scales, outlier thresholds and codebooks are fitted on.
+
+The traces stage keeps a reservoir of pre-RoPE K and V rows with their (sample, position); the Fisher stage
+keeps the squared gradients of exactly those elements. A recipe quantizes keys in one space, so the rows are
+brought there first:
+- post-RoPE recipes: each key row is rotated at its own position with the model's rotary module;
+- SmoothAttention recipes store K / lambda: keys are divided by lambda, and since dL/d(k / lambda) =
+  lambda dL/dk, the Fisher of the stored element is F_k lambda^2 (RoPE pairs share lambda, so the order of
+  rotation and division is free);
+- the first `n_sink` positions of every sample (sinks, or the whole full-precision prefix) are never
+  quantized and are left out of every fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from exporters.rope import apply_rope, rotary_tables
+
+
+@dataclass
+class CalibrationRows:
+    keys: torch.Tensor                    # [S, L, H_kv, D] in the space the recipe quantizes
+    values: torch.Tensor                  # [S, L, H_kv, D]
+    res_pos: torch.Tensor                 # [S] position of each row in its window
+    n_sink: int                           # rows at positions < n_sink are excluded from every fit
+    fisher_k: torch.Tensor | None = None  # [S, L, H_kv, D] Fisher of the stored key element
+    fisher_v: torch.Tensor | None = None
+
+    def kept(self) -> torch.Tensor:
+        """Indices of the rows that enter the fits (positions >= n_sink)."""
+        keep = (self.res_pos >= self.n_sink).nonzero().flatten()
+        if keep.numel() == 0:
+            raise ValueError(f"no reservoir rows left after excluding the first n_sink={self.n_sink} positions")
+        return keep
+
+
+def rotate_rows(k: torch.Tensor, res_pos: torch.Tensor, rotary, dtype: torch.dtype) -> torch.Tensor:
+    """Pre-RoPE reservoir rows [S, L, H, D] -> post-RoPE, each row rotated at its own position."""
+    cos, sin = rotary_tables(rotary, 0, int(res_pos.max()) + 1, dtype)
+    cos, sin = cos[0, res_pos], sin[0, res_pos]                   # [S, D]
+    s, n_layers, h, d = k.shape
+    rows = k.permute(1, 2, 0, 3).reshape(1, n_layers * h, s, d)  # rows as a [1, L*H, S, D] "sequence"
+    rot = apply_rope(rows, cos, sin)
+    return rot.view(n_layers, h, s, d).permute(2, 0, 1, 3).contiguous()
+
+
+def rows_for(traces: dict[str, torch.Tensor], key_rope: str, rotary, dtype: torch.dtype, n_sink: int,
+             smooth: torch.Tensor | None = None, fisher: dict[str, torch.Tensor] | None = None) -> CalibrationRows:
+    """traces: the traces stage's tensors (res_k, res_v, res_pos); fisher: the Fisher stage's (fisher_k,
+    fisher_v) or None when the stage needs no weights; smooth: lambda [L, H, D] or None; rotary/dtype: the
+    model's rotary module and dtype (post-RoPE recipes)."""
+    k = traces["res_k"]
+    if smooth is not None:
+        k = k / smooth[None]
+    if key_rope == "post":
+        k = rotate_rows(k, traces["res_pos"], rotary, dtype)
+    rows = CalibrationRows(k, traces["res_v"], traces["res_pos"], n_sink)
+    if fisher is not None:
+        rows.fisher_k, rows.fisher_v = fisher["fisher_k"], fisher["fisher_v"]
+        if smooth is not None:
+            rows.fisher_k = rows.fisher_k * smooth[None].square()
+    return rows

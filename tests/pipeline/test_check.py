@@ -1,0 +1,168 @@
+"""The runtime check as the pipeline runs it (pipeline/check.py) on tiny-model artifacts: it passes for every
+recipe and records a failure in the manifest; `python -m pipeline check` and `run` exit with the codes of
+pipeline/errors.py."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from exporters.checksums import sha256_file, sha256_tensor
+from exporters.native import load_artifact
+from pipeline.check import CheckConfig, run_check
+from pipeline.config import recipe_names
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
+from runtime_check import triton_attention
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = CheckConfig(contexts=[170], batches=[2])  # > KIVI's 128 residual + one 32-token group: every path runs
+
+
+def quiet(_msg):
+    pass
+
+
+def manifest_of(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_check_passes_for_every_recipe(tiny, make_artifact, recipe):
+    path = make_artifact(recipe)
+    result = run_check(path, tiny, FAST, log=quiet)
+    assert result["status"] == "passed", result
+    assert result["max_rel_err"] < 1e-5 and result["interpreter"] == (not torch.cuda.is_available())
+    written = manifest_of(path)["runtime_check"]
+    assert written["status"] == "passed" and written["tolerance"]["rtol"] == result["tolerance"]["rtol"]
+    assert {"max_abs_err", "max_rel_err", "reason", "device", "triton", "contexts", "batches"} <= set(written)
+    load_artifact(path, tiny.spec)  # the updated manifest still loads strictly
+
+
+def test_a_disagreeing_kernel_is_a_recorded_failure(tiny, make_artifact):
+    path = make_artifact("kvquant-3b-1pct")
+
+    def scaled(inp):
+        return triton_attention.decode_attention(inp) * 1.01
+
+    result = run_check(path, tiny, CheckConfig(contexts=[64], batches=[2]), kernel=scaled, log=quiet)
+    assert result["status"] == "failed" and "error" not in result
+    assert result["max_rel_err"] > 10 * result["tolerance"]["rtol"], result["max_rel_err"]
+    assert manifest_of(path)["runtime_check"]["status"] == "failed"
+    with pytest.raises(RuntimeCheckError, match=r"max_rel_err .* beyond rtol 0.0002 .*; see runtime_check"):
+        raise RuntimeCheckError(path, result)
+
+
+def test_a_kernel_that_raises_is_a_recorded_failure(tiny, make_artifact):
+    path = make_artifact("int4-token")
+
+    def broken(inp):
+        raise ValueError("no such format")
+
+    result = run_check(path, tiny, CheckConfig(contexts=[16], batches=[1]), kernel=broken, log=quiet)
+    assert result["status"] == "failed" and "ValueError: no such format" in result["error"]
+    assert manifest_of(path)["runtime_check"]["error"] == result["error"]
+    with pytest.raises(RuntimeCheckError, match="no such format; see runtime_check"):
+        raise RuntimeCheckError(path, result)
+
+
+def test_bad_contexts_and_batches_are_refused_before_the_model_loads(tmp_path):
+    """No model_bundle is given: a refusal that needed the model would fail differently (no artifact exists)."""
+    for cfg, pattern in [(CheckConfig(contexts=[]), "must be non-empty"),
+                         (CheckConfig(contexts=[0]), r"each context must be in \[1\]"),
+                         (CheckConfig(batches=[0]), "each batch size must be >= 1, got 0")]:
+        if torch.cuda.is_available():
+            cfg.gpu_contexts = cfg.contexts
+        with pytest.raises(UserError, match=pattern):
+            run_check(tmp_path / "missing", cfg=cfg, log=quiet)
+
+
+def _cli(args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "pipeline", "check", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_artifact):
+    """`python -m pipeline check DIR [contexts=..] [batches=..]`: EXIT_OK when it passes; a codebook whose levels
+    were permuted in the file (checksums re-made so only the content is wrong) is refused by the strict loader
+    (EXIT_USER)."""
+    path = make_artifact("kvquant-4b-1pct")
+    out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]"], tmp_path)
+    assert out.returncode == EXIT_OK, out.stderr[-2000:]
+    assert "runtime check passed" in out.stdout and "context    170 batch 2" in out.stdout
+    written = manifest_of(path)["runtime_check"]
+    assert written["contexts"] == [40, 170] and written["batches"] == [2] and written["status"] == "passed"
+    with pytest.raises(UserError, match=r"each context must be in \[1, 4095\]"):
+        run_check(path, tiny, CheckConfig(contexts=[4096]), log=quiet)
+
+    tensors = load_file(str(path / "tensors.safetensors"))
+    tensors["layers.0.key.codebook"] = tensors["layers.0.key.codebook"].flip(0).contiguous()
+    save_file(tensors, str(path / "tensors.safetensors"))
+    man = manifest_of(path)
+    man["tensors"]["layers.0.key.codebook"]["sha256"] = sha256_tensor(tensors["layers.0.key.codebook"])
+    man["tensor_file"]["sha256"] = sha256_file(path / "tensors.safetensors")
+    (path / "manifest.json").write_text(json.dumps(man))
+    out = _cli([str(path), "contexts=[32]", "batches=[1]"], tmp_path)
+    assert out.returncode == EXIT_USER and "codebook must be finite and strictly increasing" in out.stderr
+
+
+def test_check_main_exits_check_failed_when_the_kernel_disagrees(make_artifact, monkeypatch, capsys):
+    """`python -m pipeline check` (main, in-process so the kernel can be made wrong): EXIT_CHECK_FAILED."""
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+    real = triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
+    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
+    assert "runtime check FAILED" in capsys.readouterr().out
+    assert manifest_of(path)["runtime_check"]["status"] == "failed"
+    assert main([str(path), "contexts=[0]", "gpu_contexts=[0]"]) == EXIT_USER
+    assert main([str(path), "bogus=1"]) == EXIT_USER
+
+
+def test_a_failed_check_fails_the_run(tmp_path, monkeypatch):
+    """run_pipeline runs the check after export; a disagreement is written to the manifest, then raised."""
+    from omegaconf import OmegaConf
+
+    from pipeline.app import run_pipeline
+    from pipeline.config import RunConfig, to_typed
+
+    cfg = to_typed(OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist([
+        "model.name=tiny", "model.source=tiny", "data.n_samples=1", "data.seq_len=16", "data.eval_n_samples=1",
+        "data.eval_seq_len=16", "traces.reservoir_size=16", "eval.enabled=false", "tracking.enabled=false",
+        "sensitivity.enabled=false", "probes.enabled=false", "gate.enabled=false", "check.contexts=[16]",
+        "check.batches=[1]", f"cache_dir={tmp_path / 'cache'}", "quant.name=int4-token", "quant.key.format=uniform",
+        "quant.key.bits=4", "quant.key.axis=token", "quant.value.format=uniform", "quant.value.bits=4",
+        "quant.value.axis=token"])))
+    real = triton_attention.decode_attention
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
+    with pytest.raises(RuntimeCheckError, match="runtime check failed"):
+        run_pipeline(cfg, tmp_path / "run", log=quiet, show_progress=False)
+    assert manifest_of(tmp_path / "run" / "artifact")["runtime_check"]["status"] == "failed"
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["runtime_check"]["status"] == "failed"
+
+
+def test_a_failed_check_under_run_exits_as_check_does(tmp_path, monkeypatch, capsys):
+    """`python -m pipeline run` maps a RuntimeCheckError to EXIT_CHECK_FAILED, the code `check` exits with --
+    not EXIT_USER, which bad input gets (a RuntimeCheckError is no ValueError)."""
+    from omegaconf import OmegaConf
+
+    import pipeline.app
+    from pipeline.cli import run_from_dictconfig
+    from pipeline.config import RunConfig
+
+    result = {"status": "failed", "max_abs_err": 1.0, "max_rel_err": 0.5, "tolerance": {"rtol": 2e-4}}
+
+    def failing(cfg, run_dir, **kw):
+        raise RuntimeCheckError(run_dir / "artifact", result)
+
+    monkeypatch.setattr(pipeline.app, "run_pipeline", failing)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.from_dotlist([
+        "model.name=tiny", "model.source=tiny", "tracking.enabled=false"]))
+    assert not issubclass(RuntimeCheckError, ValueError)
+    assert run_from_dictconfig(cfg, tmp_path / "run") == EXIT_CHECK_FAILED
+    assert "runtime check failed" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""The house's layering, checked on every import statement of the product code (function-local ones too):
+bench -> pipeline -> {stages, runtime_check} -> exporters. An import may point down or sideways, never up;
+Hydra, OmegaConf and MLflow are imported only by pipeline/ (and bench/, above it)."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+LEVEL = {"exporters": 0, "stages": 1, "runtime_check": 1, "pipeline": 2, "bench": 3}
+SIDE_EFFECT_LIBS = ("hydra", "omegaconf", "mlflow")
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for package, level in LEVEL.items():
+        for path in sorted((root / package).rglob("*.py")):
+            for line, module in imports(path):
+                top = module.split(".")[0]
+                where = f"{path.relative_to(root)}:{line} imports {module}"
+                if top in LEVEL and LEVEL[top] > level:
+                    bad.append(f"{where} (upward: {package} is below {top})")
+                if top in SIDE_EFFECT_LIBS and level < LEVEL["pipeline"]:
+                    bad.append(f"{where} ({top} belongs to pipeline/ only)")
+    return bad
+
+
+def test_no_import_points_upward():
+    assert violations() == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path):
+    for package in LEVEL:
+        (tmp_path / package).mkdir()
+    (tmp_path / "stages" / "bad.py").write_text("def f():\n    from pipeline.config import RunConfig\n")
+    (tmp_path / "exporters" / "worse.py").write_text("import omegaconf\nfrom stages import traces\n")
+    (tmp_path / "runtime_check" / "fine.py").write_text("from stages.hooks import attend\nfrom exporters import codec\n")
+    found = violations(tmp_path)
+    assert len(found) == 3, found
+    assert any("stages/bad.py:2 imports pipeline.config (upward" in v for v in found)
+    assert any("exporters/worse.py:1 imports omegaconf" in v for v in found)
+
+
+def test_importing_stages_registers_nothing_with_transformers():
+    """stages/hooks.py registers its attention function on first use, not as an import side effect."""
+    code = ("import stages.hooks, stages.evaluate, runtime_check.check\n"
+            "from transformers import AttentionInterface\n"
+            "assert 'kvcalib' not in AttentionInterface._global_mapping, 'registered at import'\n"
+            "stages.hooks.register_attention()\n"
+            "assert 'kvcalib' in AttentionInterface._global_mapping\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
