@@ -25,30 +25,33 @@ def prefix_strings(ids: list[int], tokenizer) -> list[str]:
 
 def table(rows: dict[str, dict], reference: str = "fp16") -> str:
     width = max(len(n) for n in rows) + 2
-    ref = rows[reference]["ppl"]
-    head = f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'KL':>8} {'top1':>7} {'prefix':>6}"
+    head = (f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'95% interval':>17} {'KL':>8} "
+            f"{'top1':>7} {'prefix':>6}")
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
-        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {r['ppl'] / ref:>9.4f} {r['kl']:>8.4f} "
-                     f"{r['top1']:>7.4f} {r['prefix_tokens']:>6d}")
+        interval = "[{:.4f}, {:.4f}]".format(*r["ppl_ratio_ci95"])
+        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {r['ppl_ratio']:>9.4f} {interval:>17} "
+                     f"{r['kl']:>8.4f} {r['top1']:>7.4f} {r['prefix_tokens']:>6d}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_protocol_args(ap)
+    ap.add_argument("--recipes", default=",".join(ROWS))
     args = ap.parse_args()
-    out = run_protocol(ROWS, args)
+    names = args.recipes.split(",")
+    out = run_protocol(names, args)
     summary, tokenizer = out["summary"], out["model"].tokenizer
     evaluated = summary["evaluation"]["recipes"]
     prefix = summary["stage_meta"]["prefix_tokens"]
     smooth = summary["stage_meta"]["smooth"]
     rows = {}
-    for name in ROWS:
+    for name in names:
         r = evaluated[name]
         n_prefix = prefix["prefix_len"] if load_recipe(name).prefix else 0
         rows[name] = {"ppl": r["ppl"], "kl": r["kl"], "avg_bits": r["avg_bits"], "top1": r["top1"],
-                      "prefix_tokens": n_prefix}
+                      "ppl_ratio": r["ppl_ratio"], "ppl_ratio_ci95": r["ppl_ratio_ci95"], "prefix_tokens": n_prefix}
     strings = prefix_strings(prefix["ids"], tokenizer)
     print()
     print(table(rows))

@@ -1,7 +1,9 @@
 """Quality per bit, every recipe side by side in one run on the same windows.
 
 Protocol: calibrate on wikitext-2 valid.txt (16 windows x 1024 tokens, seed 0), evaluate on the first 16
-consecutive non-overlapping 1024-token windows of test.txt.
+consecutive non-overlapping 1024-token windows of test.txt. Every quantized recipe is evaluated under 4
+perturbation seeds (relative noise 1e-5 on the K/V entering the cache, stages.evaluate.Perturbation); the
+perplexity ratio to fp16 on the same windows is printed with a 95% bootstrap interval over windows and seeds.
 
 python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samples 16]
 """
@@ -21,13 +23,33 @@ RECIPES = ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2", "kvquant-4b", "
 
 
 def pareto_report(recipes: dict[str, dict]) -> list[str]:
-    """For each kvquant-*-1pct recipe: the recipes that dominate it (fewer or equal bits and lower ppl)."""
+    """For each kvquant-*-1pct recipe: the recipes that dominate it (fewer or equal bits and a lower perplexity
+    ratio), and those that dominate it with non-overlapping 95% intervals."""
     lines = []
     for name, r in recipes.items():
         if not (name.startswith("kvquant-") and name.endswith("-1pct")):
             continue
-        dominators = [o for o, s in recipes.items() if o != name and s["avg_bits"] <= r["avg_bits"] and s["ppl"] < r["ppl"]]
-        lines.append(f"{name}: {'on the frontier' if not dominators else 'dominated by ' + ', '.join(dominators)}")
+        dominators = [o for o, s in recipes.items() if o != name and s["avg_bits"] <= r["avg_bits"]
+                      and s["ppl_ratio"] < r["ppl_ratio"]]
+        clear = [o for o in dominators if recipes[o]["ppl_ratio_ci95"][1] < r["ppl_ratio_ci95"][0]]
+        verdict = "on the frontier" if not dominators else "dominated by " + ", ".join(dominators) + (
+            f" (intervals apart: {', '.join(clear) or 'none'})")
+        lines.append(f"{name}: {verdict}")
+    return lines
+
+
+TARGETS = {"kvquant-4b-1pct": 1.01, "kvquant-3b-1pct": 1.04, "kvquant-2b-1pct": 1.25}
+
+
+def target_report(recipes: dict[str, dict]) -> list[str]:
+    """The quality targets (ppl ratio to fp16), judged on the interval's midpoint, the interval printed."""
+    lines = []
+    for name, target in TARGETS.items():
+        if name in recipes:
+            lo, hi = recipes[name]["ppl_ratio_ci95"]
+            mid = (lo + hi) / 2
+            lines.append(f"{name}: ppl/fp16 {recipes[name]['ppl_ratio']:.4f}, 95% interval [{lo:.4f}, {hi:.4f}], "
+                         f"midpoint {mid:.4f} vs target {target:.2f}: {'met' if mid <= target else 'NOT met'}")
     return lines
 
 
@@ -42,6 +64,10 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
                     help="development split: calibrate on the first half of valid.txt, evaluate on its second half "
                          "(test.txt untouched; for choosing a method before it is measured on the protocol)")
     ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2")
+    ap.add_argument("--perturb-seeds", type=int, default=4,
+                    help="evaluate each quantized recipe under seeds 1..N of the cache-input perturbation (0: once, "
+                         "unperturbed; the interval then covers the windows only)")
+    ap.add_argument("--perturb-scale", type=float, default=1e-5)
 
 
 def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
@@ -56,7 +82,9 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
         data=DataConfig(name="wikitext-2-dev" if args.dev else "wikitext-2", source="local", path=str(path),
                         n_samples=args.n_samples, seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples,
                         eval_seq_len=args.seq_len),
-        quant=load_recipe(names[0]), eval=EvalConfig(recipes=names), cache_dir=args.cache_dir)
+        quant=load_recipe(names[0]), cache_dir=args.cache_dir,
+        eval=EvalConfig(recipes=names, perturb_seeds=list(range(1, args.perturb_seeds + 1)),
+                        perturb_scale=args.perturb_scale))
     if args.codebook_weighting:
         cfg.codebooks.weighting = args.codebook_weighting
     cfg.export.enabled = cfg.check.enabled = False
@@ -85,7 +113,7 @@ def main() -> None:
     print(f"calibration wall (traces + fisher + key scales + outliers + codebooks): {summary['calib_wall_s']:.1f} s")
     for r in out["runner"].records:
         print(f"  {r.name:<28} {r.status:<9} {r.wall_s:7.1f} s")
-    for line in pareto_report(recipes):
+    for line in pareto_report(recipes) + target_report(recipes):
         print(line)
     sse = {k: v for k, v in summary["stage_meta"].items() if k.startswith("codebooks")}
     for stage, meta in sse.items():
@@ -94,8 +122,11 @@ def main() -> None:
             lloyd = sum(r.get("sse_lloyd", float("nan")) for r in rows)
             print(f"{stage} {key}: weighted SSE summed over layers exact {exact:.4g} vs Lloyd {lloyd:.4g} "
                   f"(exact/Lloyd {exact / lloyd:.4f})")
-    write_json(args.json, {"recipes": {n: {k: recipes[n][k] for k in ("ppl", "kl", "top1", "avg_bits")} for n in names},
-                           "calib_wall_s": summary["calib_wall_s"]})
+    keys = ("ppl", "kl", "top1", "avg_bits", "ppl_ratio", "ppl_ratio_ci95", "ppl_seeds")
+    ev = summary["evaluation"]
+    write_json(args.json, {"recipes": {n: {k: recipes[n][k] for k in keys if k in recipes[n]} for n in names},
+                           "windows": ev["windows"], "seq_len": ev["seq_len"], "perturb_seeds": ev["perturb_seeds"],
+                           "perturb_scale": ev["perturb_scale"], "calib_wall_s": summary["calib_wall_s"]})
 
 
 if __name__ == "__main__":

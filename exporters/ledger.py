@@ -8,18 +8,31 @@ expected fraction measured on evaluation text (manifest `outliers.expected_fract
 """
 from __future__ import annotations
 
+import torch
+
 from exporters.codec import CachePolicy, TensorPolicy, dense_bits, full_precision_bits, sparse_bits, static_bits
+
+
+def key_group(p: TensorPolicy) -> int:
+    """Rows that leave the residual buffer together: the key's per-channel group (KIVI), else 1."""
+    return p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
+
+
+def recent_rows(rest, residual: int, group: int):
+    """The residual buffer's rows once `rest` rows have arrived after the sinks, by the cache's flush rule: rows
+    leave in whole groups once the buffer holds residual + group rows (group 1: the last `residual` stay).
+    rest: an int, or an integer tensor (elementwise, e.g. one entry per decoded position)."""
+    over = rest - residual
+    if isinstance(over, torch.Tensor):
+        return rest - torch.where(over >= group, (over // group) * group, torch.zeros_like(over))
+    return rest - ((over // group) * group if over >= group else 0)
 
 
 def full_precision_rows(policy: CachePolicy, p: TensorPolicy, t: int) -> int:
     """Rows held in fp16 at length t: sinks, plus the residual buffer after the cache's flush rule.
     p is the layer's key policy: K and V rows leave the buffer together, in key groups."""
     sink = min(policy.n_sink, t)
-    rest = t - sink
-    r = policy.residual
-    g = p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
-    flushed = ((rest - r) // g) * g if rest - r >= g else 0
-    return sink + rest - flushed
+    return sink + recent_rows(t - sink, policy.residual, key_group(p))
 
 
 def tensor_bytes(policy: CachePolicy, p: TensorPolicy, t: int, h: int, d: int, batch: int = 1,

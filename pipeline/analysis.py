@@ -11,7 +11,6 @@ from exporters.codec import CachePolicy
 from exporters.ledger import predict_bytes
 from pipeline.runner import Runner, Stage
 from stages import evaluate, gate, layer_policy, probes, sensitivity
-from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
 
 
 def select_policy(cfg, lm, windows, runner: Runner, results: dict, policies: dict[str, CachePolicy]) -> tuple[CachePolicy, dict]:
@@ -72,13 +71,10 @@ def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) 
 
 def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, context: int = 12) -> list[dict]:
     """Positions of one evaluation window where the quantized cache changes the greedy next token."""
-    pre, hooks = pre_rope_key_hooks(lm.model, lm.spec.n_kv_heads, lm.spec.head_dim)
     ids = window[None]
-    with torch.no_grad(), forward_hooks(hooks):
+    with torch.no_grad():
         ref = lm.model(ids, use_cache=False).logits[0].argmax(-1)
-        rope = rope_tables(lm.model, ids)
-        with attention_override(lm.model, evaluate.quantized_attention(target, pre, rope, None)):
-            got = lm.model(ids, use_cache=False).logits[0].argmax(-1)
+        got = evaluate.policy_logprobs(lm.model, ids, target).argmax(-1)
     tok = lm.tokenizer
     rows = []
     for pos in (ref != got).nonzero().flatten().tolist()[:n]:

@@ -187,6 +187,10 @@ def summary_metrics(summary: dict) -> dict[str, float]:
             metrics[f"run.{key}"] = float(summary[key])
     for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
         metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in row.items() if _number(v)})
+        if len(row.get("ppl_ratio_ci95") or []) == 2:  # the 95% interval of the ratio to fp16, as two metrics
+            lo, hi = row["ppl_ratio_ci95"]
+            metrics[f"eval.{_metric_name(recipe)}.ppl_ratio_ci95_lo"] = float(lo)
+            metrics[f"eval.{_metric_name(recipe)}.ppl_ratio_ci95_hi"] = float(hi)
     check = summary.get("runtime_check") or {}
     metrics.update({f"runtime_check.{k}": float(v) for k, v in check.items() if _number(v)})
     return metrics

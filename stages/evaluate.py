@@ -1,16 +1,18 @@
 """Quality of quantized caches against the full-precision reference, on evaluation windows only.
 
-Every cached K and V entry of every layer goes through exporters.codec (encode -> decode) except the declared
-sink rows and residual window. The residual window is evaluated as decode sees it: query t reads keys and
-values at distance < R in full precision and older ones quantized (a distance mask choosing between the two
-score matrices and the two value sets), not by quantizing the window once. A policy with a prefix (PrefixQuant /
-IntactKV) serves every window after its prefix ids: positions shift by P, the P prefix rows are kept in full
-precision like sink rows (and counted at 16 bits), and metrics are taken on the window's own positions only.
+What is evaluated is what runtime_check/cache.py serves when the window is decoded one token at a time: K and V
+rounded to fp16 as the cache receives them; the first max(n_sink, prefix) rows kept so; every other row through
+exporters.codec (encode -> decode) exactly as the cache stores it; and the residual buffer read as decode sees
+it -- query t reads in fp16 the rows the cache still holds unflushed at step t (exporters.ledger.recent_rows)
+and older rows quantized (a mask choosing between the two score matrices and the two value sets). A policy with
+a prefix (PrefixQuant / IntactKV) serves every window after its prefix ids: positions shift by P, the P prefix
+rows are kept like sink rows (and counted at 16 bits), and metrics are taken on the window's own positions.
 
 Metrics per policy: perplexity, KL(reference || quantized) of next-token distributions, top-1 agreement,
 average bits per cached element from the ledger (codes, scales, zero-points, sparse values + indices + row
-counts, full-precision sink and residual rows at 16 bits, per-layer static tensors once per sequence), and
-the measured sparse-outlier fraction.
+counts, full-precision sink and residual rows at 16 bits, per-layer static tensors once per sequence), the
+measured sparse-outlier fraction, and the perplexity ratio to fp16 on the same windows with a 95% interval
+(ppl_ratio_interval): over windows and, with EvalConfig.perturb_seeds, over perturbations of the cache's input.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ from typing import Callable
 import torch
 
 from exporters.codec import FULL_PRECISION_BITS, CachePolicy, encoded_bits, fake_quant, static_bits
-from exporters.rope import apply_rope
+from exporters.ledger import key_group, recent_rows
+from exporters.rope import apply_rope, invert_rope
 from stages.base import StageResult
-from stages.hooks import (attend, attention_override, attention_scores, forward_hooks, pre_rope_key_hooks, rope_tables,
-                          sdpa_attention)
+from stages.hooks import attend, attention_override, attention_scores, rope_tables, sdpa_attention
 
 
 @dataclass
@@ -32,6 +34,10 @@ class EvalConfig:
     enabled: bool = True
     # evaluated beside the run's own recipe, on the same windows
     recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2"])
+    # each quantized recipe is evaluated once per seed with the cache's input perturbed (Perturbation);
+    # empty: once, unperturbed (the interval then covers the choice of windows only)
+    perturb_seeds: list[int] = field(default_factory=list)
+    perturb_scale: float = 1e-5
 
 
 @dataclass
@@ -62,52 +68,88 @@ class _Ledger:
 QUERY_CHUNK = 1024
 
 
+@dataclass(frozen=True)
+class Perturbation:
+    """Relative noise on the K/V entering the cache (every row after the sinks, before the fp16 rounding the
+    cache applies): x * (1 + scale * u), u uniform in [-1, 1], drawn from `generator` layer by layer. It stands
+    for the activations another machine computes (float32 accumulation order), to which a quantized cache's
+    perplexity is chaotic: a code at a rounding boundary flips."""
+    scale: float
+    generator: torch.Generator
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(x.shape, generator=self.generator, dtype=torch.float64).to(x.device) * 2 - 1
+        return (x.double() * (1 + self.scale * u)).to(x.dtype)
+
+
 def _chunk_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, t: int) -> torch.Tensor:
     """The model's mask rows for this chunk, or the causal mask at the chunk's absolute positions."""
     if mask is not None:
         return mask
-    return (q_pos >= torch.arange(t)[None])[None, None]
+    return (q_pos >= torch.arange(t, device=q_pos.device)[None])[None, None]
 
 
-def quantized_attention(policy: CachePolicy, pre_keys: dict[int, torch.Tensor], rope: dict, ledger: _Ledger | None):
-    """An attention function (see stages.hooks) that reads the cache through the codec under `policy`."""
+def _served_rows(x: torch.Tensor) -> torch.Tensor:
+    """K/V as the serving cache receives them: rounded to fp16 (sink and residual rows are stored so, and the
+    codec encodes from them), computed on in float32."""
+    return x.to(torch.float16).float()
+
+
+def quantized_attention(policy: CachePolicy, rope: dict, ledger: _Ledger | None,
+                        perturb: Perturbation | None = None):
+    """An attention function (see stages.hooks) that reads the cache exactly as runtime_check/cache.py serves it
+    when the tokens are decoded one at a time: K/V rounded to fp16; the first max(n_sink, prefix) rows kept so;
+    every other row through the codec (pre-RoPE recipes: RoPE inverted at the row's position first, then
+    re-applied after decoding; smoothed keys divided by lambda before encoding and multiplied after); and the
+    residual buffer -- query t reads in fp16 exactly the rows the cache still holds unflushed when t is decoded
+    (exporters.ledger.recent_rows)."""
     s_sink, residual = max(policy.n_sink, policy.prefix_len), policy.residual  # prefix rows: full precision
 
     def attn(module, query, key, value, mask, scaling):
         layer = module.layer_idx
         pk, pv = policy.layers[layer]
         b, h, t, d = key.shape
-        k_src = pre_keys[layer] if policy.key_rope == "pre" else key
-        lam = policy.smooth[layer].to(key.dtype)[None, :, None, :] if policy.smooth is not None else None
+        s = min(s_sink, t)
+        k_in, v_in = key.float(), value.float()
+        if perturb is not None:
+            k_in = torch.cat([k_in[:, :, :s], perturb(k_in[:, :, s:])], 2)
+            v_in = torch.cat([v_in[:, :, :s], perturb(v_in[:, :, s:])], 2)
+        k16, v16 = _served_rows(k_in), _served_rows(v_in)             # post-RoPE keys, values [B, H, T, D]
+        k_src = k16[:, :, s:]
+        cos, sin = rope["cos"][:, s:t], rope["sin"][:, s:t]
+        if policy.key_rope == "pre":
+            k_src = invert_rope(k_src, cos, sin)
+        lam = policy.smooth[layer].float().to(key.device)[None, :, None, :] if policy.smooth is not None else None
         if lam is not None:
             k_src = k_src / lam  # the cache stores K / lambda (rope pairs share lambda, so RoPE commutes)
-        s = min(s_sink, t)
-        k_hat, v_hat = k_src.clone(), value.clone()
-        k_hat[:, :, s:], ek = fake_quant(k_src[:, :, s:], pk, f"layer {layer} keys")
-        v_hat[:, :, s:], ev = fake_quant(value[:, :, s:], pv, f"layer {layer} values")
+        k_q, ek = fake_quant(k_src, pk, f"layer {layer} keys")
+        v_q, ev = fake_quant(v16[:, :, s:], pv, f"layer {layer} values")
         if lam is not None:
-            k_hat = k_hat * lam
+            k_q = k_q * lam
         if policy.key_rope == "pre":
-            k_hat = apply_rope(k_hat, rope["cos"], rope["sin"])
-        if s and policy.key_rope == "post":
-            k_hat[:, :, :s] = key[:, :, :s]
+            k_q = apply_rope(k_q, cos, sin)
+        k_hat = torch.cat([k16[:, :, :s], k_q], 2).to(key.dtype)
+        v_hat = torch.cat([v16[:, :, :s], v_q], 2).to(value.dtype)
+        group = key_group(pk)
         if ledger is not None:
-            r = min(residual, t - s)
+            r = int(recent_rows(torch.tensor(t - s), residual, group))
             for kind, e, p in (("k", ek, pk), ("v", ev, pv)):
                 ledger.add(kind, e, p, rows_q=t - s - r, rows_full=s + r, per_row=b * h * d)
-        if residual == 0:
+        if residual == 0 and group == 1:  # no row is ever held back from the codec
             return sdpa_attention(query, k_hat, v_hat, mask, scaling)
+        k16, v16 = k16.to(key.dtype), v16.to(value.dtype)
         t_q = query.shape[2]
         outs = []
         for c in range(0, t_q, QUERY_CHUNK):  # query chunks bound the [T_q, T] score matrices at long context
             q = query[:, :, c : c + QUERY_CHUNK]
             m = None if mask is None else mask[:, :, c : c + QUERY_CHUNK]
-            q_pos = torch.arange(t - t_q + c, t - t_q + c + q.shape[2])[:, None]
-            near = (q_pos - torch.arange(t)[None]) < residual  # [chunk, T]: read in full precision
-            scores = torch.where(near, attention_scores(q, key, _chunk_mask(m, q_pos, t), scaling),
+            q_pos = torch.arange(t - t_q + c, t - t_q + c + q.shape[2], device=key.device)[:, None]
+            n_recent = recent_rows((q_pos + 1 - s).clamp(min=0), residual, group)
+            near = (q_pos - torch.arange(t, device=key.device)[None]) < n_recent  # [chunk, T]: fp16 rows
+            scores = torch.where(near, attention_scores(q, k16, _chunk_mask(m, q_pos, t), scaling),
                                  attention_scores(q, k_hat, _chunk_mask(m, q_pos, t), scaling))
             probs = torch.softmax(scores, dim=-1)
-            outs.append(attend(probs * near, value, query.dtype) + attend(probs * ~near, v_hat, query.dtype))
+            outs.append(attend(probs * near, v16, query.dtype) + attend(probs * ~near, v_hat, query.dtype))
         return torch.cat(outs, dim=1)
 
     return attn
@@ -121,57 +163,117 @@ def _served(ids: torch.Tensor, policy: CachePolicy) -> tuple[torch.Tensor, int]:
     return torch.cat([policy.prefix_ids.to(ids)[None], ids], dim=1), int(policy.prefix_ids.numel())
 
 
+def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
+                    perturb: Perturbation | None = None) -> torch.Tensor:
+    """ids [1, T] -> next-token log-probabilities [T, V] (float32) on the window's own positions with the cache
+    served under `policy` (after its prefix, if it has one)."""
+    run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
+    if policy.is_full_precision:
+        return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
+    attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
+    with attention_override(model, attn):
+        return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
+
+
+def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, n_boot: int = 2000,
+                       seed: int = 0) -> tuple[float, float, float]:
+    """Perplexity ratio to the reference on the same windows, with a 95% percentile-bootstrap interval.
+
+    nll [S, W]: summed NLL of each evaluation window under each perturbation seed (S = 1: unperturbed);
+    ref_nll [W]: the reference's on the same windows; n_tokens: predicted tokens per window. Each bootstrap
+    replicate resamples windows (paired: the same windows for recipe and reference) and, independently, seeds,
+    so the interval covers both the choice of text and the rounding chaos of a quantized cache.
+    -> (ratio, lo, hi), ratio = exp(mean NLL - mean reference NLL) per token."""
+    nll, ref_nll = nll.double(), ref_nll.double()
+    s, w = nll.shape
+    ratio = math.exp(float(nll.mean() - ref_nll.mean()) / n_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    wi = torch.randint(0, w, (n_boot, w), generator=gen)
+    si = torch.randint(0, s, (n_boot, s), generator=gen)
+    per_window = nll[si].mean(1)                                   # [B, W]: seed-resampled mean per window
+    diff = per_window.gather(1, wi).mean(1) - ref_nll[wi].mean(1)  # [B]
+    lo, hi = torch.quantile(diff / n_tokens, torch.tensor([0.025, 0.975], dtype=torch.float64)).exp().tolist()
+    return ratio, lo, hi
+
+
 def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
-    """-> per-policy ppl, kl, top1, avg_bits, outlier fractions on inputs.windows."""
+    """-> meta["recipes"][name]: ppl, kl, top1, avg_bits, outlier fractions, ppl_ratio, ppl_ratio_ci95 (and
+    ppl_seeds with perturbations); tensors window_nll.<name> [S, W] and window_nll.reference [W] (summed NLL per
+    window, S perturbation seeds, 1 without)."""
+    cfg = cfg or EvalConfig()
     model, spec, windows, policies = inputs.model, inputs.spec, inputs.windows, inputs.policies
-    stats = {p.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "tokens": 0, "ledger": _Ledger()} for p in policies}
-    pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
+    seeds = list(cfg.perturb_seeds) or [None]
+    n_win, t = windows.shape
+    stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": _Ledger(),
+                      "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
+             for p in policies}
+    ref_nll = torch.zeros(n_win, dtype=torch.float64)
     device = next(model.parameters()).device
-    with torch.no_grad(), forward_hooks(hooks):
-        for w in range(windows.shape[0]):
+    kv_elements = spec.n_layers * spec.n_kv_heads * spec.head_dim
+    with torch.no_grad():
+        for w in range(n_win):
             ids = windows[w : w + 1].to(device)
             targets = ids[0, 1:]
-            rope = rope_tables(model, ids)
             ref = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)  # [T, V]
             ref_top = ref.argmax(-1)
+            ref_nll[w] = -float(ref[:-1].gather(1, targets[:, None]).sum())
             for policy in policies:
                 st = stats[policy.name]
-                run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
-                if policy.is_full_precision:
-                    logp = ref if p == 0 else torch.log_softmax(
-                        model(run_ids, use_cache=False).logits[0, p:].float(), -1)
-                    st["ledger"].bits += 16 * 2 * run_ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
-                    st["ledger"].elements += 2 * run_ids.shape[1] * spec.n_layers * spec.n_kv_heads * spec.head_dim
-                else:
-                    run_rope = rope if p == 0 else rope_tables(model, run_ids)
-                    with attention_override(model, quantized_attention(policy, pre_keys, run_rope, st["ledger"])):
-                        logp = torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
-                st["nll"] -= float(logp[:-1].gather(1, targets[:, None]).sum())
-                st["kl"] += float((ref.exp() * (ref - logp)).sum())
-                st["top1"] += int((logp.argmax(-1) == ref_top).sum())
-                st["tokens"] += ids.shape[1]
+                runs = [None] if policy.is_full_precision else seeds
+                for i, seed in enumerate(runs):
+                    perturb = None if seed is None else Perturbation(
+                        cfg.perturb_scale, torch.Generator().manual_seed(1_000_003 * seed + w))
+                    if policy.is_full_precision and policy.prefix_ids is None:
+                        logp = ref
+                    else:
+                        logp = policy_logprobs(model, ids, policy, st["ledger"], perturb)
+                    if policy.is_full_precision:
+                        n_rows = ids.shape[1] + (0 if policy.prefix_ids is None else int(policy.prefix_ids.numel()))
+                        st["ledger"].bits += FULL_PRECISION_BITS * 2 * n_rows * kv_elements
+                        st["ledger"].elements += 2 * n_rows * kv_elements
+                    st["nll"][i, w] = -float(logp[:-1].gather(1, targets[:, None]).sum())
+                    st["kl"] += float((ref.exp() * (ref - logp)).sum())
+                    st["top1"] += int((logp.argmax(-1) == ref_top).sum())
+                    st["tokens"] += ids.shape[1]
             if progress:
                 progress(1)
-    n_pred = windows.shape[0] * (windows.shape[1] - 1)
-    recipes = {}
+    n_tokens = t - 1
+    recipes, tensors = {}, {"window_nll.reference": ref_nll}
     for name, st in stats.items():
-        led = st["ledger"]
+        led, nll = st["ledger"], st["nll"]
+        ratio, lo, hi = ppl_ratio_interval(nll, ref_nll, n_tokens)
         recipes[name] = {
-            "ppl": math.exp(st["nll"] / n_pred), "kl": st["kl"] / st["tokens"], "top1": st["top1"] / st["tokens"],
-            "avg_bits": led.bits / max(1, led.elements),
+            "ppl": math.exp(float(nll.mean()) / n_tokens), "kl": st["kl"] / st["tokens"],
+            "top1": st["top1"] / st["tokens"], "avg_bits": led.bits / max(1, led.elements),
             "outlier_fraction_k": led.outliers["k"] / max(1, led.encoded["k"]),
             "outlier_fraction_v": led.outliers["v"] / max(1, led.encoded["v"]),
+            "ppl_ratio": ratio, "ppl_ratio_ci95": [lo, hi],
         }
-    return StageResult({}, {"recipes": recipes, "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1])})
+        if nll.shape[0] > 1:
+            recipes[name]["ppl_seeds"] = [math.exp(float(x) / n_tokens) for x in nll.mean(1)]
+        tensors[f"window_nll.{name}"] = nll
+    meta = {"recipes": recipes, "windows": int(n_win), "seq_len": int(t),
+            "perturb_seeds": list(cfg.perturb_seeds), "perturb_scale": cfg.perturb_scale if cfg.perturb_seeds else 0.0}
+    return StageResult(tensors, meta)
 
 
 def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
+    """The comparison table, sorted by average bits; ppl/fp16 is the ratio on the same windows with its 95%
+    interval when the evaluation computed one."""
     ref_ppl = recipes.get(reference, {}).get("ppl")
     width = max([22, *(len(n) + 1 for n in recipes)])
-    head = f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'KL':>8} {'top1':>7} {'sparse K/V %':>13}"
+    head = (f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'95% interval':>17} {'KL':>8} "
+            f"{'top1':>7} {'sparse K/V %':>13}")
     lines = [head, "-" * len(head)]
     for name, r in sorted(recipes.items(), key=lambda kv: -kv[1]["avg_bits"]):
-        ratio = f"{r['ppl'] / ref_ppl:9.4f}" if ref_ppl else f"{'-':>9}"
+        if "ppl_ratio" in r:
+            ratio = f"{r['ppl_ratio']:9.4f}"
+            lo, hi = r["ppl_ratio_ci95"]
+            interval = f"[{lo:.4f}, {hi:.4f}]"
+        else:
+            ratio = f"{r['ppl'] / ref_ppl:9.4f}" if ref_ppl else f"{'-':>9}"
+            interval = "-"
         sparse = f"{100 * r['outlier_fraction_k']:.2f}/{100 * r['outlier_fraction_v']:.2f}"
-        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
+        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {interval:>17} "
+                     f"{r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Diagonal Fisher information of the cached K and V (KVQuant, Hooper et al. 2024, sec. 3.3 and App. C).
 
 F = (dL/dA)^2 per element, L the causal-LM cross-entropy (summed over tokens, labels = input ids) and A the
-k_proj / v_proj output (pre-RoPE keys, values). KVQuant keeps the squared gradient per token and element;
+k_proj / v_proj output (pre-RoPE keys, values); the gradient is the total one, through every later layer. KVQuant keeps the squared gradient per token and element;
 we keep it for exactly the reservoir rows of the traces stage, so Fisher and activations align element by
 element. One window's graph at a time bounds memory.
 """
@@ -41,9 +41,11 @@ def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int
 
     def make(kind: str, layer: int):
         def hook(_m, _inp, out):
-            leaf = out.detach().requires_grad_(True)  # the graph downstream of this activation is kept
-            leaves[(kind, layer)] = leaf
-            return leaf
+            # out + 0, with the zero a leaf: dL/d(zero) = dL/d(out) through every path -- this layer's attention
+            # and every later layer's K and V, which read this layer's output through the residual stream
+            zero = torch.zeros_like(out, requires_grad=True)
+            leaves[(kind, layer)] = zero
+            return out + zero
         return hook
 
     attns = attention_layers(model)

@@ -31,12 +31,15 @@ def fit(inputs: Inputs, cfg: GateConfig) -> StageResult:
 
 def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None) -> dict:
     failures = []
-    ref = evaluation.get("fp16", {}).get("ppl")
     row = evaluation.get(recipe)
-    if ref and row:
-        ratio = row["ppl"] / ref
-        if ratio > cfg.max_ppl_ratio:
-            failures.append(f"perplexity ratio {ratio:.4f} > max_ppl_ratio {cfg.max_ppl_ratio}")
+    if row is None:
+        raise ValueError(f"gate: recipe {recipe!r} was not evaluated (evaluated: {sorted(evaluation)})")
+    ratio = row.get("ppl_ratio")  # to the full-precision model on the same windows (stages.evaluate)
+    if ratio is None:
+        raise ValueError(f"gate: the evaluation of {recipe!r} has no ppl_ratio to fp16; the perplexity check "
+                         f"cannot be judged")
+    if ratio > cfg.max_ppl_ratio:
+        failures.append(f"perplexity ratio {ratio:.4f} > max_ppl_ratio {cfg.max_ppl_ratio}")
     if sensitivity:
         edges = sensitivity["bucket_edges"]
         names = [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"]

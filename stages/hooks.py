@@ -67,20 +67,6 @@ def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
-def pre_rope_key_hooks(model: torch.nn.Module, n_kv_heads: int, head_dim: int):
-    """-> (store, hooks): within forward_hooks(hooks), store[layer] holds that layer's k_proj output of the
-    current forward as pre-RoPE keys [B, H_kv, T, D] (what the attention function needs for pre-RoPE recipes)."""
-    store: dict[int, torch.Tensor] = {}
-
-    def stash(layer: int):
-        def hook(_m, _inp, out):
-            b, t, _ = out.shape
-            store[layer] = out.view(b, t, n_kv_heads, head_dim).transpose(1, 2)
-        return hook
-
-    return store, [(a.k_proj, stash(i), False) for i, a in enumerate(attention_layers(model))]
-
-
 def rope_tables(model: torch.nn.Module, ids: torch.Tensor) -> dict:
     """{"cos", "sin"} [1, T, D] of the model's own rotary module at positions 0..T-1 of ids [B, T], in the
     model's dtype (what its attention applies)."""

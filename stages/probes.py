@@ -14,7 +14,7 @@ import torch
 from exporters.codec import CachePolicy
 from stages.base import StageResult
 from stages.evaluate import quantized_attention
-from stages.hooks import attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
+from stages.hooks import attention_override, rope_tables
 
 @dataclass
 class ProbeConfig:
@@ -60,11 +60,10 @@ def make_prompts(tok, cfg: ProbeConfig) -> list[dict]:
 def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None = None) -> StageResult:
     """-> meta {"accuracy": {policy: float}, "cells": {policy: {"LENGTH@DEPTH": 0|1}}}; fp16 reference included."""
     model, spec, prompts, policies = inputs.model, inputs.spec, inputs.prompts, inputs.policies
-    pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
     cells: dict[str, dict[str, int]] = {"fp16": {}}
     for p in policies:
         cells[p.name] = {}
-    with torch.no_grad(), forward_hooks(hooks):
+    with torch.no_grad():
         for pr in prompts:
             ids, a = pr["ids"], pr["answer_from"]
             target = ids[0, a:]
@@ -73,7 +72,7 @@ def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None
             logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
             cells["fp16"][key] = int(torch.equal(logits[:-1].argmax(-1), target))
             for p in policies:
-                with attention_override(model, quantized_attention(p, pre_keys, rope, None)):
+                with attention_override(model, quantized_attention(p, rope, None)):
                     logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
                 cells[p.name][key] = int(torch.equal(logits[:-1].argmax(-1), target))
             if progress:

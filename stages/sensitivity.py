@@ -16,7 +16,7 @@ import torch
 from exporters.codec import CachePolicy, TensorPolicy
 from stages.base import StageResult
 from stages.evaluate import quantized_attention
-from stages.hooks import attention_layers, attention_override, forward_hooks, pre_rope_key_hooks, rope_tables
+from stages.hooks import attention_layers, attention_override, forward_hooks, rope_tables
 
 @dataclass
 class SensitivityConfig:
@@ -67,7 +67,6 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
     dnll = torch.zeros_like(kl)
     map_cos = torch.zeros(n_layers, n_buckets, dtype=torch.float64)
     map_kl = torch.zeros(n_layers, n_buckets, dtype=torch.float64)
-    pre_keys, hooks = pre_rope_key_hooks(model, spec.n_kv_heads, spec.head_dim)
     attn_out: dict[int, torch.Tensor] = {}
 
     def grab(layer):
@@ -75,7 +74,7 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
             attn_out[layer] = inp[0][0].detach().float()  # [T, H_q * D]
         return hook
 
-    hooks += [(a.o_proj, grab(i), True) for i, a in enumerate(attention_layers(model))]
+    hooks = [(a.o_proj, grab(i), True) for i, a in enumerate(attention_layers(model))]
     with torch.no_grad(), forward_hooks(hooks):
         for w in range(windows.shape[0]):
             ids = windows[w : w + 1]
@@ -90,7 +89,7 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
                     if variant not in cfg.variants:
                         continue
                     pol = isolate(policy, layer, variant)
-                    with attention_override(model, quantized_attention(pol, pre_keys, rope, None)):
+                    with attention_override(model, quantized_attention(pol, rope, None)):
                         logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
                     kl_pos = (ref.exp() * (ref - logp)).sum(-1).double()  # [T]
                     kl[v_idx, layer] += kl_pos.mean()

@@ -59,7 +59,9 @@ def test_recipe_with_only_keys_quantized(tmp_path):
     assert out.returncode == 0, out.stderr
     summary = json.loads((Path(out.stdout.strip().splitlines()[-1].removeprefix("results: ")) / "summary.json").read_text())
     row = summary["evaluation"]["recipes"]["nuq4-keys-only"]
-    assert 4 < row["avg_bits"] < 16 and row["kl"] > 0
+    assert 4 < row["avg_bits"] < 16  # keys encoded at 4 bits (+ scales), values at 16
+    books = [m for name, m in summary["stage_meta"].items() if name.startswith("codebooks-")]
+    assert len(books) == 1 and set(books[0]["sse"]) == {"k4", "v4"}  # one bit-width fitted, no 16-bit codebook
 
 
 def test_llama3_without_weights_is_a_short_message(tmp_path):

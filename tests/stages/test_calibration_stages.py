@@ -96,27 +96,56 @@ def test_codebook_weighting_counts_the_scale():
         _codebooks(keys, values, w, pos, scales, [2], codebooks.CodebookConfig(weighting="mse"))
 
 
-def test_fisher_matches_autograd_on_one_element(tiny, tiny_windows):
+@pytest.fixture(scope="module")
+def tiny3():
+    from pipeline.config import ModelConfig, TinyModelConfig
+    from pipeline.model import load_model
+    return load_model(ModelConfig(name="tiny", source="tiny", tiny=TinyModelConfig(n_layers=3, seed=1)))
+
+
+def test_fisher_is_the_total_gradient_in_every_layer(tiny3, tiny_windows):
+    """Every layer's Fisher equals the squared gradient of the un-hooked model's summed LM loss w.r.t. that
+    layer's k_proj / v_proj output -- through every later layer, not only this layer's own attention."""
+    spec, model = tiny3.spec, tiny3.model
     windows = tiny_windows.calib[:2]
-    res_sample, res_pos = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 10])
-    r = fisher.fit(fisher.Inputs(tiny.model, tiny.spec, windows, res_sample, res_pos))
-    assert r.tensors["fisher_k"].shape == (3, 2, 2, 16)
-    # direct: gradient of the summed LM loss w.r.t. layer 1's k_proj output at (sample 1, position 10)
-    captured = {}
+    res_sample, res_pos = torch.tensor([0, 1, 1, 0]), torch.tensor([3, 0, 10, 40])
+    r = fisher.fit(fisher.Inputs(model, spec, windows, res_sample, res_pos))
+    assert r.tensors["fisher_k"].shape == (4, 3, spec.n_kv_heads, spec.head_dim)
+    grads = {}
+    frozen = [q for q in model.parameters() if not q.requires_grad]
+    for q in frozen:  # the reference graph: plain autograd over the whole model
+        q.requires_grad_(True)
+    for s in range(2):
+        outs = {}
 
-    def hook(m, a, o):
-        o.retain_grad()
-        captured["k"] = o
+        def keep(kind, layer):
+            def hook(_m, _a, o):
+                o.retain_grad()
+                outs[(kind, layer)] = o
+            return hook
 
-    h = tiny.model.model.layers[1].self_attn.k_proj.register_forward_hook(hook)
-    with torch.enable_grad():
-        emb = tiny.model.model.embed_tokens(windows[1:2]).requires_grad_(True)
-        out = tiny.model(inputs_embeds=emb, labels=windows[1:2])
-        (out.loss * (windows.shape[1] - 1)).backward()
-    h.remove()
-    expected = captured["k"].grad[0, 10].square().view(2, 16)
-    assert torch.allclose(r.tensors["fisher_k"][2, 1], expected, rtol=1e-4, atol=1e-12)
-    assert r.tensors["fisher_k"][2, 1].sum() > 0
+        attns = [layer.self_attn for layer in model.model.layers]
+        handles = [a.k_proj.register_forward_hook(keep("k", i)) for i, a in enumerate(attns)]
+        handles += [a.v_proj.register_forward_hook(keep("v", i)) for i, a in enumerate(attns)]
+        with torch.enable_grad():
+            ids = windows[s : s + 1]
+            out = model(ids, labels=ids, use_cache=False)
+            (out.loss * (ids.shape[1] - 1)).backward()
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        grads[s] = {key: o.grad[0].view(-1, spec.n_kv_heads, spec.head_dim).square() for key, o in outs.items()}
+    for q in frozen:
+        q.requires_grad_(False)
+    for row, (s, pos) in enumerate(zip(res_sample.tolist(), res_pos.tolist())):
+        for layer in range(3):
+            for kind in ("k", "v"):
+                got = r.tensors[f"fisher_{kind}"][row, layer]
+                want = grads[s][(kind, layer)][pos]
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-12), (row, layer, kind)
+                assert want.sum() > 0
+    # the earlier layers' gradients differ from their own-attention-only part: the test can tell the two apart
+    assert r.tensors["fisher_k"][:, 0].sum() > 0
 
 
 def test_residual_must_be_a_multiple_of_the_group():

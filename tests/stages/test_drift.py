@@ -52,15 +52,17 @@ def test_assemble_mixes_layers_and_refuses_other_families():
 
 def test_gate_names_the_offending_cell():
     cfg = GateConfig(max_ppl_ratio=1.05, max_cell_kl=0.05, min_cell_cos=0.95, min_passkey_ratio=1.0)
-    evaluation = {"fp16": {"ppl": 10.0}, "r": {"ppl": 10.2}}
+    evaluation = {"fp16": {"ppl": 10.0, "ppl_ratio": 1.0}, "r": {"ppl": 10.2, "ppl_ratio": 1.02}}
     sens = {"bucket_edges": [0, 128, 512], "map_kl": [[0.01, 0.02, 0.01], [0.01, 0.09, 0.01]],
             "map_cos": [[0.99, 0.99, 0.99], [0.99, 0.99, 0.99]]}
     out = gate.check(cfg, "r", evaluation, sens, {"fp16": 1.0, "r": 1.0})
     assert not out["passed"] and out["failures"] == ["layer 1 positions 128-512: KL 0.0900 > max_cell_kl 0.05"]
     ok = gate.check(cfg, "r", evaluation, None, {"fp16": 0.8, "r": 0.8})
     assert ok["passed"]
-    bad = gate.check(cfg, "r", {"fp16": {"ppl": 10.0}, "r": {"ppl": 11.0}}, None, {"fp16": 1.0, "r": 0.6})
+    bad = gate.check(cfg, "r", {"r": {"ppl": 11.0, "ppl_ratio": 1.1}}, None, {"fp16": 1.0, "r": 0.6})
     assert len(bad["failures"]) == 2 and "perplexity ratio 1.1000" in bad["failures"][0]
+    with pytest.raises(ValueError, match="has no ppl_ratio to fp16"):  # never skipped silently
+        gate.check(cfg, "r", {"r": {"ppl": 11.0}}, None, None)
 
 
 def test_passkey_prompt_plants_the_needle(tiny):

@@ -55,3 +55,39 @@ def test_table_lists_every_recipe():
             "x": {"ppl": 11.0, "kl": 0.1, "top1": 0.9, "avg_bits": 4.0, "outlier_fraction_k": 0.01, "outlier_fraction_v": 0.0}}
     text = evaluate.table(rows)
     assert "1.1000" in text and text.index("fp16") < text.index("\nx ")
+
+
+@pytest.mark.parametrize("recipe_name", ["kvquant-4b-1pct", "kivi-2", "int4-token", "fp8-e4m3",
+                                         "kvquant-3b-1pct+smooth"])
+def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib, recipe_name):
+    """The logits the evaluation computes for a window equal those of decoding the same tokens one at a time
+    through runtime_check/cache.py under the same policy (sink rows in fp16, every other row through the codec
+    as stored, the residual buffer's flush rule): max |log-prob difference| <= 2e-4 (float32 rounding of two
+    attention implementations; a wrong row precision, flush or RoPE convention moves it by >= 1e-3)."""
+    from pipeline.config import load_recipe
+    from runtime_check.cache import ArtifactCache
+    from stages import recipe
+
+    q = load_recipe(recipe_name)
+    if q.key.format == "uniform" and q.key.axis == "channel":  # KIVI: a group and a residual that fit 48 tokens
+        q.key.group_size, q.residual = 8, 16
+    policy = recipe.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+    for w in range(2):
+        ids = tiny_windows.eval[w : w + 1]
+        with torch.no_grad():
+            ours = evaluate.policy_logprobs(tiny.model, ids, policy)
+            cache = ArtifactCache(policy, tiny.model)
+            served = torch.cat([torch.log_softmax(tiny.model(ids[:, i : i + 1], cache=cache).logits[0].float(), -1)
+                                for i in range(ids.shape[1])])
+        assert (ours - served).abs().max() <= 2e-4, (recipe_name, float((ours - served).abs().max()))
+
+
+def test_ppl_ratio_interval_covers_windows_and_seeds():
+    ref = torch.tensor([100.0, 120.0, 80.0, 110.0])
+    same = evaluate.ppl_ratio_interval(ref[None].clone(), ref, 10)
+    assert same == (1.0, 1.0, 1.0)
+    shifted = evaluate.ppl_ratio_interval(ref[None] + 1.0, ref, 10)  # +0.1 nats per token on every window
+    assert shifted[0] == pytest.approx(math.exp(0.1)) and shifted[1] == pytest.approx(math.exp(0.1))
+    noisy = torch.stack([ref + 1.0, ref + 3.0])                       # two seeds disagree: the interval opens
+    r, lo, hi = evaluate.ppl_ratio_interval(noisy, ref, 10)
+    assert r == pytest.approx(math.exp(0.2)) and lo < r < hi and lo >= math.exp(0.1) - 1e-12
