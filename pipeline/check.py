@@ -93,7 +93,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     import triton
 
     from exporters.native import load_artifact, read_manifest, update_manifest
-    from runtime_check.check import RTOL, KernelFailed, check_case, tolerance
+    from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
     if kernel is None:
         from runtime_check.triton_attention import decode_attention
@@ -111,11 +111,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         from pipeline.model import load_model
         model_bundle = load_model(model_config_for(manifest))
     artifact = load_artifact(artifact_dir, model_bundle.spec)
-    prefix = None
-    if artifact.manifest["cache"]["prefix"]:
-        pj = artifact.manifest["cache"]["prefix"]
-        prefix = {"ids": torch.tensor(pj["token_ids"], dtype=torch.long),
-                  "k": artifact.tensors[pj["tensors"]["k"]], "v": artifact.tensors[pj["tensors"]["v"]]}
+    prefix = artifact_prefix(artifact)
     _validate(contexts, batches, model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
     windows = eval_ids(model_bundle.tokenizer, max(batches), max(contexts) + 1)
     tol, reason = tolerance(artifact.manifest)

@@ -116,3 +116,13 @@ def check_case(lm, policy, ids: torch.Tensor, prefix: dict | None, kernel: Calla
 
 
 __all__ = ["ATOL", "RTOL", "tolerance", "record", "compare", "check_case", "KernelFailed"]
+
+
+def artifact_prefix(artifact) -> dict | None:
+    """The full-precision prefix an artifact serves every sequence after, as `record` takes it:
+    {"ids": [P], "k", "v": [L, H, P, D]}, or None (artifact: exporters.native.load_artifact's result)."""
+    pj = artifact.manifest["cache"]["prefix"]
+    if not pj:
+        return None
+    return {"ids": torch.tensor(pj["token_ids"], dtype=torch.long),
+            "k": artifact.tensors[pj["tensors"]["k"]], "v": artifact.tensors[pj["tensors"]["v"]]}

@@ -10,7 +10,7 @@ from exporters.native import load_artifact
 from pipeline.check import eval_ids
 from runtime_check import triton_attention
 from runtime_check.cache import StoredBlock
-from runtime_check.check import ATOL, RTOL, KernelFailed, check_case, compare, record, tolerance
+from runtime_check.check import ATOL, RTOL, KernelFailed, artifact_prefix, check_case, compare, record, tolerance
 
 
 def _timing():
@@ -20,11 +20,7 @@ def _timing():
 def _case(tiny, path, context: int, batch: int):
     """(policy, ids [batch, context + 1], prefix) of an artifact, as the check feeds check_case."""
     artifact = load_artifact(path, tiny.spec)
-    prefix = None
-    if artifact.manifest["cache"]["prefix"]:
-        pj = artifact.manifest["cache"]["prefix"]
-        prefix = {"ids": torch.tensor(pj["token_ids"], dtype=torch.long),
-                  "k": artifact.tensors[pj["tensors"]["k"]], "v": artifact.tensors[pj["tensors"]["v"]]}
+    prefix = artifact_prefix(artifact)
     return artifact.policy, eval_ids(tiny.tokenizer, batch, context + 1), prefix
 
 
