@@ -2,24 +2,35 @@
 round trip CachePolicy <-> (manifest, tensors).
 
 A loader refuses what it does not fully understand: every cause has its own ManifestError subclass, and
-nothing is returned unless every check passed. docs/manifest.md specifies the format for other languages.
+nothing is returned unless every check passed. docs/manifest.md specifies the format for other languages:
+the manifest digest, the checksums, the binding of the decoding fields to the tensor file, and the cross-checks
+("a consumer must refuse when ...") are each defined once here and stated there.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import hashlib
 import json
 from importlib import resources
 from typing import Any
 
 import torch
 
-from exporters.codec import CachePolicy, CodecError, TensorPolicy
-from exporters.checksums import sha256_tensor
+from exporters.codec import ALLOWED_BITS, AXES, CachePolicy, CodecError, TensorPolicy
+from exporters.checksums import sha256_bytes
 
 FORMAT_NAME = "kvcalib.kv-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest digest, raw-byte tensor checksums, bound decoding fields (1 is refused)
 TENSOR_FILE = "tensors.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "int64": torch.int64}
+DIGEST_FIELD = "manifest_digest"       # sha256 of manifest.json with this field's 64 hex digits as 64 '0's
+UNSIGNED = "0" * 64
+BOUND_KEY = "kvcalib.bound"            # tensors.safetensors __metadata__ entry: a copy of the BOUND_FIELDS
+BOUND_FIELDS = ("recipe", "model", "tokenizer", "cache", "layers")   # every field that changes decoding or fit
+UPDATABLE = ("evaluation", "runtime_check", "gate")                  # what update_manifest may replace
+ZERO_POINT = {"uniform": "min", "nuq": "midpoint"}                   # other formats: "none"
+FORMAT_BITS = {"fp16": (16,), "fp8": (8,), "uniform": ALLOWED_BITS, "nuq": ALLOWED_BITS}
 
 
 class ManifestError(ValueError):
@@ -54,13 +65,91 @@ class ModelMismatchError(ManifestError):
     pass
 
 
+class ConsistencyError(ManifestError):
+    """Two fields, or a field and the tensor file, contradict each other (docs/manifest.md, cross-checks)."""
+
+
+class QuantFieldError(ConsistencyError):
+    """bits, axis or group_size do not fit the policy's format."""
+
+
+class OutlierRuleError(ConsistencyError):
+    """outliers.rule / expected_fraction disagree with the fraction, the axis or the format."""
+
+
+class ZeroPointError(ConsistencyError):
+    """zero_point is not the one the format uses."""
+
+
+class Fp8DtypeError(ConsistencyError):
+    """fp8_dtype is absent for fp8, or present for another format."""
+
+
+class TensorRefError(ConsistencyError):
+    """A policy names other tensors than its fields call for, or not under their canonical names."""
+
+
+class BindingError(ConsistencyError):
+    """A decoding field of manifest.json differs from the copy the tensor file's header carries."""
+
+
+class PrefixError(ConsistencyError):
+    """cache.prefix.token_ids differ from the prefix.ids tensor."""
+
+
+class RecordError(ConsistencyError):
+    """runtime_check or gate contradicts itself (a status its own cases or failures do not support)."""
+
+
+# ---- the manifest's bytes: duplicate-free JSON, signed by its digest --------------------------------------
+
+def _unique_members(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise SchemaError(f"manifest.json repeats member names {sorted({k for k in keys if keys.count(k) > 1})} "
+                          f"in one object (JSON parsers disagree on which one counts)")
+    return dict(pairs)
+
+
+def serialize_manifest(manifest: dict) -> bytes:
+    """The bytes of manifest.json: the digest field first, then every other field, signed (docs/manifest.md)."""
+    body = {DIGEST_FIELD: UNSIGNED, **{k: v for k, v in manifest.items() if k != DIGEST_FIELD}}
+    raw = (json.dumps(body, indent=1) + "\n").encode()  # ASCII: json escapes everything else
+    return raw.replace(UNSIGNED.encode(), hashlib.sha256(raw).hexdigest().encode(), 1)  # the first: the digest
+
+
+def check_digest(raw: bytes, manifest: dict) -> None:
+    digest = manifest.get(DIGEST_FIELD)
+    if not isinstance(digest, str) or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
+        raise SchemaError(f"manifest field {DIGEST_FIELD} must be 64 lowercase hex digits, got {digest!r}")
+    if raw.count(digest.encode()) != 1:
+        raise ChecksumError(f"manifest.json must hold its {DIGEST_FIELD} exactly once, found it "
+                            f"{raw.count(digest.encode())} times")
+    if hashlib.sha256(raw.replace(digest.encode(), UNSIGNED.encode())).hexdigest() != digest:
+        raise ChecksumError(f"manifest.json does not match its {DIGEST_FIELD}: it was changed after it was written")
+
+
+def parse_manifest(raw: bytes) -> dict:
+    """manifest.json's bytes -> the manifest, refused unless it is duplicate-free JSON of this format and
+    version, signed by its digest, valid under the schema and consistent in itself (check_fields)."""
+    try:
+        manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_members)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise SchemaError(f"manifest.json is not valid UTF-8 JSON: {exc}") from None
+    _check_format(manifest)
+    check_digest(raw, manifest)
+    validate_schema(manifest)
+    check_fields(manifest)
+    return manifest
+
+
+# ---- schema -----------------------------------------------------------------------------------------------
+
 def schema() -> dict:
     return json.loads(resources.files("exporters").joinpath("manifest.schema.json").read_text())
 
 
-def validate_schema(manifest: Any) -> None:
-    import jsonschema
-
+def _check_format(manifest: Any) -> None:
     if not isinstance(manifest, dict):
         raise SchemaError(f"manifest must be a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_NAME:
@@ -68,13 +157,244 @@ def validate_schema(manifest: Any) -> None:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise VersionMismatchError(f"manifest format_version {manifest.get('format_version')!r} is not supported "
                                    f"by this loader (it reads version {FORMAT_VERSION})")
-    validator = jsonschema.Draft202012Validator(schema())
-    errors = sorted(validator.iter_errors(manifest), key=lambda e: list(e.absolute_path))
+
+
+@functools.cache
+def _validator():
+    """Draft 2020-12, except that an integer is a JSON integer: 1.0 (which the draft counts as one) is refused
+    where the schema says integer, so every count, index and id loads as an int."""
+    import jsonschema
+
+    strict = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _checker, x: isinstance(x, int) and not isinstance(x, bool))
+    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(schema())
+
+
+def validate_schema(manifest: Any) -> None:
+    _check_format(manifest)
+    errors = sorted(_validator().iter_errors(manifest), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise SchemaError(f"manifest field {where}: {e.message}")
 
+
+# ---- cross-checks: the manifest alone ---------------------------------------------------------------------
+
+def outlier_rule(fmt: str, axis: str, fraction: float) -> str:
+    """The sparse-outlier rule the codec applies (codec.encode): static bounds per channel, per-token quantiles."""
+    if fraction == 0 or fmt not in ("uniform", "nuq"):
+        return "none"
+    return "static_channel_bounds" if axis == "channel" else "per_token_quantile"
+
+
+def needed_tensors(p: dict) -> tuple[str, ...]:
+    """The calibrated tensors a TensorPolicy's fields call for, in codec.CALIBRATED_FIELDS order."""
+    fmt, channel = p["format"], p["axis"] == "channel"
+    names = ("codebook",) if fmt == "nuq" else ()
+    names += ("zero", "range") if fmt == "nuq" and channel else ()
+    names += ("lower", "upper") if channel and outlier_rule(fmt, p["axis"], p["outliers"]["fraction"]) != "none" else ()
+    return names + (("fp8_scale",) if fmt == "fp8" else ())
+
+
+def _check_policy_fields(p: dict, where: str) -> None:
+    fmt, axis, bits, group = p["format"], p["axis"], p["bits"], p["group_size"]
+    if bits not in FORMAT_BITS[fmt]:
+        raise QuantFieldError(f"{where}/bits: format {fmt} allows {list(FORMAT_BITS[fmt])}, got {bits!r}")
+    if axis not in AXES[fmt]:
+        raise QuantFieldError(f"{where}/axis: format {fmt} allows {list(AXES[fmt])}, got {axis!r}")
+    grouped = fmt == "uniform" and axis == "channel"
+    if (group >= 1) != grouped:
+        allowed = "an integer >= 1 (tokens per scale group)" if grouped else "0 (only uniform per-channel groups)"
+        raise QuantFieldError(f"{where}/group_size: format {fmt} with axis {axis} allows {allowed}, got {group!r}")
+    zero_point = ZERO_POINT.get(fmt, "none")
+    if p["zero_point"] != zero_point:
+        raise ZeroPointError(f"{where}/zero_point: format {fmt} allows {zero_point!r}, got {p['zero_point']!r}")
+    if (fmt == "fp8") != ("fp8_dtype" in p):
+        allowed = "one of ['e4m3', 'e5m2']" if fmt == "fp8" else "no fp8_dtype field (fp8 only)"
+        raise Fp8DtypeError(f"{where}/fp8_dtype: format {fmt} allows {allowed}, got {p.get('fp8_dtype', '(absent)')!r}")
+    out = p["outliers"]
+    if out["fraction"] != 0 and fmt not in ("uniform", "nuq"):
+        raise OutlierRuleError(f"{where}/outliers/fraction: format {fmt} stores no sparse outliers; allowed 0, "
+                               f"got {out['fraction']!r}")
+    rule = outlier_rule(fmt, axis, out["fraction"])
+    if out["rule"] != rule:
+        raise OutlierRuleError(f"{where}/outliers/rule: with fraction {out['fraction']!r} and axis {axis} the codec "
+                               f"applies {rule!r}; allowed {rule!r}, got {out['rule']!r}")
+    if "expected_fraction" in out and rule == "none":
+        raise OutlierRuleError(f"{where}/outliers/expected_fraction: allowed only when outliers are stored "
+                               f"(fraction > 0), got {out['expected_fraction']!r} with fraction {out['fraction']!r}")
+
+
+def _check_refs(manifest: dict) -> None:
+    """Every tensor reference has its canonical name: what a field means is fixed by the name in the file."""
+    for i, layer in enumerate(manifest["layers"]):
+        for kind in ("key", "value"):
+            want = {name: f"layers.{i}.{kind}.{name}" for name in needed_tensors(layer[kind])}
+            if layer[kind]["tensors"] != want:
+                raise TensorRefError(f"layers/{i}/{kind}/tensors: format {layer[kind]['format']}, axis "
+                                     f"{layer[kind]['axis']}, outlier fraction {layer[kind]['outliers']['fraction']} "
+                                     f"allow exactly {want}, got {layer[kind]['tensors']}")
+    cache = manifest["cache"]
+    for field, got, want in (("smoothing", cache["smoothing"], {"tensor": "smooth"}),
+                             ("prefix/tensors", (cache["prefix"] or {}).get("tensors"),
+                              {"k": "prefix.k", "v": "prefix.v", "ids": "prefix.ids"})):
+        if got is not None and got != want:
+            raise TensorRefError(f"cache/{field}: allowed {want}, got {got}")
+
+
+def _check_records(manifest: dict) -> None:
+    """runtime_check and gate: the status a consumer reads is the one their own contents support."""
+    rc = manifest["runtime_check"]
+    if rc is not None:
+        cases = rc["cases"]
+        failed = sum(not c["ok"] for c in cases)
+        status = "passed" if cases and not failed and "error" not in rc else "failed"
+        if rc["status"] != status:
+            raise RecordError(f"runtime_check/status: {len(cases)} cases, {failed} not ok, "
+                              f"{'an' if 'error' in rc else 'no'} error allow {status!r}, got {rc['status']!r}")
+        for key in ("max_abs_err", "max_rel_err"):
+            worst = max((c[key] for c in cases), default=None)
+            if rc[key] != worst:
+                raise RecordError(f"runtime_check/{key}: the maximum over cases is {worst!r}, got {rc[key]!r}")
+    gate = manifest.get("gate")
+    if gate is not None and gate["passed"] != (not gate["failures"]):
+        raise RecordError(f"gate/passed: {len(gate['failures'])} failures allow {not gate['failures']}, "
+                          f"got {gate['passed']}")
+
+
+def check_fields(manifest: dict) -> None:
+    """The cross-checks a schema cannot state (docs/manifest.md, "a consumer must refuse when"), on a
+    schema-valid manifest."""
+    n_layers = manifest["model"]["n_layers"]
+    if [layer["index"] for layer in manifest["layers"]] != list(range(n_layers)):
+        raise SchemaError(f"layers must list indices 0..{n_layers - 1} in order")
+    for i, layer in enumerate(manifest["layers"]):
+        for kind in ("key", "value"):
+            _check_policy_fields(layer[kind], f"layers/{i}/{kind}")
+    _check_refs(manifest)
+    _check_records(manifest)
+
+
+# ---- cross-checks: the manifest against the tensor file and the served model -------------------------------
+
+def _difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first place where two JSON values differ: (path, a's value, b's value). Numbers compare by value
+    (1 == 1.0), booleans only with booleans."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                return f"{path}/{k}", a.get(k, "(absent)"), b.get(k, "(absent)")
+            if found := _difference(a[k], b[k], f"{path}/{k}"):
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next(filter(None, (_difference(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b)))), None)
+    same = (a is b) if isinstance(a, bool) or isinstance(b, bool) else \
+        (type(a) is type(b) or {type(a), type(b)} <= {int, float}) and a == b
+    return None if same else (path, a, b)
+
+
+def bound_metadata(manifest: dict) -> dict[str, str]:
+    """The tensor file's __metadata__: the BOUND_FIELDS, so that tensor_file.sha256 covers them too."""
+    return {BOUND_KEY: json.dumps({f: manifest[f] for f in BOUND_FIELDS}, sort_keys=True, separators=(",", ":"))}
+
+
+def check_binding(manifest: dict, metadata: dict[str, str]) -> None:
+    """Every BOUND_FIELDS field equals the copy in the tensor file's header (written at calibration time)."""
+    try:
+        bound = json.loads(metadata[BOUND_KEY])
+    except (KeyError, TypeError, ValueError, RecursionError):
+        bound = None
+    if not isinstance(bound, dict):
+        raise BindingError(f"{TENSOR_FILE} has no valid __metadata__ {BOUND_KEY!r}: the decoding fields of the "
+                           f"manifest cannot be checked against it")
+    if found := _difference({f: manifest[f] for f in BOUND_FIELDS}, bound, ""):
+        path, ours, theirs = found
+        raise BindingError(f"manifest field {path[1:]} is {ours!r}, but {TENSOR_FILE} (__metadata__ {BOUND_KEY}, "
+                           f"covered by tensor_file.sha256) was written for {theirs!r}")
+
+
+def implied_tensors(manifest: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor the manifest's fields call for: canonical name -> (shape, dtype)."""
+    m = manifest["model"]
+    h, d, n_layers = m["n_kv_heads"], m["head_dim"], m["n_layers"]
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for i, layer in enumerate(manifest["layers"]):
+        for kind in ("key", "value"):
+            p = layer[kind]
+            for name in needed_tensors(p):
+                shape = {"codebook": (2 ** p["bits"],), "fp8_scale": () if p["axis"] == "tensor" else (h,)}
+                out[f"layers.{i}.{kind}.{name}"] = (shape.get(name, (h, d)), "float32")
+    cache = manifest["cache"]
+    if cache["smoothing"]:
+        out["smooth"] = ((n_layers, h, d), "float32")
+    if cache["prefix"]:
+        n = len(cache["prefix"]["token_ids"])
+        out["prefix.k"] = out["prefix.v"] = ((n_layers, h, n, d), "float32")
+        out["prefix.ids"] = ((n,), "int64")
+    return out
+
+
+def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Declared entries, implied shapes and dtypes, and per-tensor sha256 (of the raw bytes) all agree; nothing
+    missing or extra; the prefix tensor holds the prefix token ids."""
+    declared = manifest["tensors"]
+    implied = implied_tensors(manifest)
+    for ref in implied:
+        if ref not in declared:
+            raise MissingTensorError(f"tensor {ref!r} is referenced by the manifest but not declared in 'tensors'")
+    for ref, entry in declared.items():
+        if ref not in implied:
+            raise SchemaError(f"tensor {ref!r} is declared but no manifest field uses it")
+        if ref not in tensors:
+            raise MissingTensorError(f"tensor {ref!r} is missing from {TENSOR_FILE}")
+        t = tensors[ref]
+        want_shape, want_dtype = implied[ref]
+        if tuple(entry["shape"]) != want_shape or tuple(t.shape) != want_shape:
+            raise TensorShapeError(f"tensor {ref!r}: shape {tuple(t.shape)} (declared {tuple(entry['shape'])}); "
+                                   f"the manifest fields imply {want_shape}")
+        if entry["dtype"] != want_dtype or t.dtype != DTYPES[want_dtype]:
+            raise TensorShapeError(f"tensor {ref!r}: dtype {t.dtype}, declared {entry['dtype']}; the manifest "
+                                   f"fields imply {want_dtype}")
+        if sha256_bytes(t) != entry["sha256"]:
+            raise ChecksumError(f"tensor {ref!r}: sha256 does not match the manifest")
+    extra = sorted(set(tensors) - set(declared))
+    if extra:
+        raise SchemaError(f"{TENSOR_FILE} holds tensors the manifest does not declare: {extra[:5]}")
+    prefix = manifest["cache"]["prefix"]
+    if prefix and tensors["prefix.ids"].tolist() != prefix["token_ids"]:
+        raise PrefixError(f"cache/prefix/token_ids {prefix['token_ids']} differ from the prefix.ids tensor "
+                          f"{tensors['prefix.ids'].tolist()} (the ids the prefix K/V were computed from)")
+
+
+def model_json(spec) -> dict:
+    """The manifest's `model` field for a pipeline.model.ModelSpec (written at export, compared at load)."""
+    return {"name": spec.name, "architecture": spec.architecture, "n_layers": spec.n_layers,
+            "n_q_heads": spec.n_q_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+            "rope": {"theta": spec.rope_theta, "scaling": json.loads(spec.rope_scaling), "pairing": spec.rope_pairing},
+            "max_positions": spec.max_positions, "sha256": spec.model_sha256}
+
+
+def tokenizer_json(spec) -> dict:
+    return {"sha256": spec.tokenizer_sha256, "bos_token_id": spec.bos_token_id}
+
+
+def check_model(manifest: dict, spec) -> None:
+    """The served model is the one calibrated: weights, shapes, RoPE (theta, scaling, pairing), positions,
+    architecture and tokenizer; the model's name alone may differ."""
+    served = {"model": {**model_json(spec), "name": manifest["model"]["name"]}, "tokenizer": tokenizer_json(spec)}
+    if found := _difference({k: manifest[k] for k in served}, served, ""):
+        path, ours, theirs = found
+        raise ModelMismatchError(f"artifact was calibrated for model {manifest['model']['name']} with "
+                                 f"{path[1:]}={ours!r}; the model given has {path[1:]}={theirs!r}")
+    prefix = manifest["cache"]["prefix"]
+    if prefix and max(prefix["token_ids"]) >= spec.vocab_size:
+        raise ModelMismatchError(f"cache/prefix/token_ids: the model given has {spec.vocab_size} tokens, "
+                                 f"got id {max(prefix['token_ids'])}")
+
+
+# ---- CachePolicy <-> manifest ------------------------------------------------------------------------------
 
 def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None) -> dict:
     names = {}
@@ -82,13 +402,11 @@ def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.T
         key = f"{prefix}.{name}"
         tensors[key] = t.detach().float().contiguous().cpu()
         names[name] = key
-    rule = "none"
-    if p.outlier_fraction > 0:
-        rule = "static_channel_bounds" if p.axis == "channel" else "per_token_quantile"
+    rule = outlier_rule(p.format, p.axis, p.outlier_fraction)
     out = {"format": p.format, "bits": p.bits, "axis": p.axis, "group_size": p.group_size,
-           "zero_point": {"uniform": "min", "nuq": "midpoint"}.get(p.format, "none"),
+           "zero_point": ZERO_POINT.get(p.format, "none"),
            "outliers": {"fraction": p.outlier_fraction, "rule": rule}, "tensors": names}
-    if expected is not None and p.outlier_fraction > 0:
+    if expected is not None and rule != "none":
         out["outliers"]["expected_fraction"] = expected
     if p.format == "fp8":
         out["fp8_dtype"] = p.fp8_dtype
@@ -97,7 +415,7 @@ def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.T
 
 def build_manifest(policy: CachePolicy, spec, provenance: dict, evaluation: dict | None = None,
                    prefix: dict | None = None, creator: dict | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """-> (manifest without tensor checksums filled for the file, tensors by name). native.write fills the rest.
+    """-> (manifest, tensors by name); native.write_artifact fills tensor_file and the digest.
     prefix: {"token_ids": [...], "k": [L, H, P, D] post-RoPE keys, "v": [L, H, P, D]} or None."""
     tensors: dict[str, torch.Tensor] = {}
     measured = (evaluation or {}).get(policy.name, {})
@@ -114,23 +432,23 @@ def build_manifest(policy: CachePolicy, spec, provenance: dict, evaluation: dict
     if prefix is not None:
         tensors["prefix.k"] = prefix["k"].detach().float().contiguous().cpu()
         tensors["prefix.v"] = prefix["v"].detach().float().contiguous().cpu()
-        prefix_json = {"token_ids": [int(t) for t in prefix["token_ids"]], "tensors": {"k": "prefix.k", "v": "prefix.v"}}
+        tensors["prefix.ids"] = torch.tensor([int(t) for t in prefix["token_ids"]], dtype=torch.int64)
+        prefix_json = {"token_ids": tensors["prefix.ids"].tolist(),
+                       "tensors": {"k": "prefix.k", "v": "prefix.v", "ids": "prefix.ids"}}
     manifest = {
+        DIGEST_FIELD: UNSIGNED,
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "creator": creator or {"package": "kvcalib", "version": "unknown", "git_sha": "unknown"},
-        "model": {"name": spec.name, "architecture": spec.architecture, "n_layers": spec.n_layers,
-                  "n_q_heads": spec.n_q_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-                  "rope": {"theta": spec.rope_theta, "scaling": json.loads(spec.rope_scaling), "pairing": spec.rope_pairing},
-                  "max_positions": spec.max_positions, "sha256": spec.model_sha256},
-        "tokenizer": {"sha256": spec.tokenizer_sha256, "bos_token_id": spec.bos_token_id},
+        "model": model_json(spec),
+        "tokenizer": tokenizer_json(spec),
         "recipe": policy.name,
         "cache": {"key_rope": policy.key_rope, "n_sink": policy.n_sink, "residual": policy.residual,
                   "layout": "B,H_kv,T,D", "smoothing": smoothing, "prefix": prefix_json},
         "layers": layers,
-        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": sha256_tensor(t)}
+        "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "sha256": sha256_bytes(t)}
                     for name, t in sorted(tensors.items())},
-        "tensor_file": {"name": TENSOR_FILE, "sha256": "0" * 64},
+        "tensor_file": {"name": TENSOR_FILE, "sha256": UNSIGNED},
         "calibration": provenance,
         "evaluation": evaluation or {},
         "runtime_check": None,
@@ -138,73 +456,11 @@ def build_manifest(policy: CachePolicy, spec, provenance: dict, evaluation: dict
     return manifest, tensors
 
 
-def expected_shapes(manifest: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor the manifest references, with the shape its fields imply."""
-    m = manifest["model"]
-    h, d, n_layers = m["n_kv_heads"], m["head_dim"], m["n_layers"]
-    shapes: dict[str, tuple[int, ...]] = {}
-    for layer in manifest["layers"]:
-        for kind in ("key", "value"):
-            p = layer[kind]
-            for name, ref in p["tensors"].items():
-                if name == "codebook":
-                    shapes[ref] = (2 ** p["bits"],)
-                elif name == "fp8_scale":
-                    shapes[ref] = () if p["axis"] == "tensor" else (h,)
-                else:
-                    shapes[ref] = (h, d)
-    cache = manifest["cache"]
-    if cache["smoothing"]:
-        shapes[cache["smoothing"]["tensor"]] = (n_layers, h, d)
-    if cache["prefix"]:
-        n = len(cache["prefix"]["token_ids"])
-        for ref in cache["prefix"]["tensors"].values():
-            shapes[ref] = (n_layers, h, n, d)
-    return shapes
-
-
-def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Declared entries, implied shapes, dtypes and per-tensor sha256 all agree; nothing missing or extra."""
-    declared = manifest["tensors"]
-    implied = expected_shapes(manifest)
-    for ref in implied:
-        if ref not in declared:
-            raise MissingTensorError(f"tensor {ref!r} is referenced by the manifest but not declared in 'tensors'")
-    for ref, entry in declared.items():
-        if ref not in implied:
-            raise SchemaError(f"tensor {ref!r} is declared but no manifest field uses it")
-        if ref not in tensors:
-            raise MissingTensorError(f"tensor {ref!r} is missing from {TENSOR_FILE}")
-        t = tensors[ref]
-        want_shape = implied[ref]
-        if tuple(entry["shape"]) != want_shape or tuple(t.shape) != want_shape:
-            raise TensorShapeError(f"tensor {ref!r}: shape {tuple(t.shape)} (declared {tuple(entry['shape'])}); "
-                                   f"the manifest fields imply {want_shape}")
-        if t.dtype != DTYPES[entry["dtype"]]:
-            raise TensorShapeError(f"tensor {ref!r}: dtype {t.dtype}, declared {entry['dtype']}")
-        if sha256_tensor(t) != entry["sha256"]:
-            raise ChecksumError(f"tensor {ref!r}: sha256 does not match the manifest")
-    extra = sorted(set(tensors) - set(declared))
-    if extra:
-        raise SchemaError(f"{TENSOR_FILE} holds tensors the manifest does not declare: {extra[:5]}")
-
-
-def check_model(manifest: dict, spec) -> None:
-    m = manifest["model"]
-    pairs = {"sha256": spec.model_sha256, "n_layers": spec.n_layers, "n_kv_heads": spec.n_kv_heads,
-             "head_dim": spec.head_dim, "n_q_heads": spec.n_q_heads}
-    for field, value in pairs.items():
-        if m[field] != value:
-            raise ModelMismatchError(f"artifact was calibrated for model {m['name']} with {field}={m[field]!r}; "
-                                     f"the model given has {field}={value!r}")
-    if manifest["tokenizer"]["sha256"] != spec.tokenizer_sha256:
-        raise ModelMismatchError("artifact tokenizer sha256 differs from the given model's tokenizer")
-
-
 def _policy_from_json(p: dict, tensors: dict[str, torch.Tensor], where: str) -> TensorPolicy:
     kw = {name: tensors[ref] for name, ref in p["tensors"].items()}
     tp = TensorPolicy(format=p["format"], bits=p["bits"], axis=p["axis"], group_size=p["group_size"],
-                      outlier_fraction=p["outliers"]["fraction"], fp8_dtype=p.get("fp8_dtype", "e4m3"), **kw)
+                      outlier_fraction=p["outliers"]["fraction"], fp8_dtype=p.get("fp8_dtype", TensorPolicy.fp8_dtype),
+                      **kw)
     try:
         tp.validate(where)
     except CodecError as exc:
@@ -213,16 +469,16 @@ def _policy_from_json(p: dict, tensors: dict[str, torch.Tensor], where: str) -> 
 
 
 def policy_from_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> CachePolicy:
-    layers = manifest["layers"]
-    if [layer["index"] for layer in layers] != list(range(manifest["model"]["n_layers"])):
-        raise SchemaError(f"layers must list indices 0..{manifest['model']['n_layers'] - 1} in order")
+    """The CachePolicy of a checked manifest (check_fields, check_tensors): the prefix ids come from the
+    prefix.ids tensor."""
     pairs = [(_policy_from_json(layer["key"], tensors, f"layers/{i}/key"),
-              _policy_from_json(layer["value"], tensors, f"layers/{i}/value")) for i, layer in enumerate(layers)]
+              _policy_from_json(layer["value"], tensors, f"layers/{i}/value"))
+             for i, layer in enumerate(manifest["layers"])]
     cache = manifest["cache"]
     smooth = tensors[cache["smoothing"]["tensor"]] if cache["smoothing"] else None
     if smooth is not None and (not torch.isfinite(smooth).all() or (smooth <= 0).any()):
         raise SchemaError("smoothing tensor must be finite and positive")
-    prefix = cache["prefix"]
+    prefix_ids = tensors[cache["prefix"]["tensors"]["ids"]] if cache["prefix"] else None
     return CachePolicy(name=manifest["recipe"], layers=pairs, key_rope=cache["key_rope"], n_sink=cache["n_sink"],
-                       residual=cache["residual"], smooth=smooth,
-                       prefix_len=len(prefix["token_ids"]) if prefix else 0)
+                       residual=cache["residual"], smooth=smooth, prefix_ids=prefix_ids,
+                       prefix_len=0 if prefix_ids is None else int(prefix_ids.numel()))

@@ -1,27 +1,33 @@
 """The native artifact: `<dir>/manifest.json` + `<dir>/tensors.safetensors`, written atomically, loaded strictly."""
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
 import shutil
+import struct
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors, save
 
 from exporters.codec import CachePolicy
-from exporters.manifest import (TENSOR_FILE, ChecksumError, ManifestError, SchemaError, check_model, check_tensors,
-                                policy_from_manifest, validate_schema)
-from exporters.checksums import sha256_file
+from exporters.manifest import (DIGEST_FIELD, TENSOR_FILE, UNSIGNED, UPDATABLE, ChecksumError, ManifestError,
+                                SchemaError, bound_metadata, check_binding, check_model, check_tensors, parse_manifest,
+                                policy_from_manifest, serialize_manifest, validate_schema)
 
 MANIFEST_FILE = "manifest.json"
+RENAME_EXCHANGE, AT_FDCWD = 2, -100   # linux/fs.h, fcntl.h
 
 
 @dataclass
 class Artifact:
-    path: Path
+    path: Path | None
     manifest: dict
     tensors: dict[str, torch.Tensor]
     policy: CachePolicy
@@ -31,8 +37,66 @@ class ArtifactExistsError(ManifestError):
     pass
 
 
+def tensor_file_metadata(raw: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file: 8-byte little-endian header length, then the JSON header."""
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    return header.get("__metadata__") or {}
+
+
+def parse_artifact(raw_manifest: bytes, raw_tensors: bytes | None, spec=None, path: Path | None = None) -> Artifact:
+    """Both files' bytes -> a fully checked Artifact: the manifest (digest, schema, cross-checks), the tensor
+    file's sha256, the decoding fields against the file's header, every tensor's shape / dtype / sha256, the
+    policy, and (given a ModelSpec) the served model. Raises a ManifestError subclass per cause."""
+    manifest = parse_manifest(raw_manifest)
+    if raw_tensors is None:
+        raise ManifestError(f"missing {TENSOR_FILE} in {str(path)!r}")
+    if hashlib.sha256(raw_tensors).hexdigest() != manifest["tensor_file"]["sha256"]:
+        raise ChecksumError(f"{TENSOR_FILE} sha256 does not match the manifest")
+    try:
+        metadata, tensors = tensor_file_metadata(raw_tensors), load_safetensors(raw_tensors)
+    except Exception as exc:  # a file with the right checksum but unreadable: refuse, never guess
+        raise ChecksumError(f"{TENSOR_FILE} could not be read: {type(exc).__name__}") from None
+    try:
+        check_binding(manifest, metadata)
+        check_tensors(manifest, tensors)
+        policy = policy_from_manifest(manifest, tensors)
+    except (KeyError, TypeError, IndexError) as exc:
+        raise SchemaError(f"manifest is inconsistent: {type(exc).__name__}: {exc}") from None
+    if spec is not None:
+        check_model(manifest, spec)
+    return Artifact(path, manifest, tensors, policy)
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux renameat2 RENAME_EXCHANGE). False where the call is
+    unavailable (no such libc function, ENOSYS, or EINVAL from a file system without the flag)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def write_artifact(directory: str | Path, manifest: dict, tensors: dict[str, torch.Tensor], overwrite: bool = False) -> Path:
-    """Write into a temporary sibling folder, validate, then rename into place. Never half-written."""
+    """Write both files into a temporary sibling folder (fsynced), check them with the loader's own checks
+    (parse_artifact), then put the folder in place. Never half-written: a new folder is renamed into place;
+    with overwrite, the new and the old folder are swapped in one renameat2(RENAME_EXCHANGE), so a reader always
+    finds a complete artifact, old or new, and the old one is deleted after. Where that call is unavailable
+    (not Linux, ENOSYS, EINVAL) the old folder is renamed away and the new one renamed in: two renames, between
+    which the folder is briefly absent."""
     final = Path(directory)
     if final.exists() and not overwrite:
         raise ArtifactExistsError(f"artifact folder {str(final)!r} already exists; pass overwrite=True "
@@ -41,69 +105,99 @@ def write_artifact(directory: str | Path, manifest: dict, tensors: dict[str, tor
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / TENSOR_FILE))
-        manifest = json.loads(json.dumps(manifest))  # a JSON-clean copy: what the loader will read
-        manifest["tensor_file"]["sha256"] = sha256_file(tmp / TENSOR_FILE)
-        validate_schema(manifest)
-        check_tensors(manifest, tensors)
-        policy_from_manifest(manifest, tensors)
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
-        if final.exists():
+        manifest = json.loads(json.dumps({**manifest, DIGEST_FIELD: UNSIGNED}))  # JSON-clean: what is read back
+        validate_schema(manifest)  # before its fields are copied into the tensor file's header
+        raw_tensors = save({k: v.contiguous() for k, v in tensors.items()}, metadata=bound_metadata(manifest))
+        manifest["tensor_file"]["sha256"] = hashlib.sha256(raw_tensors).hexdigest()
+        raw_manifest = serialize_manifest(manifest)
+        parse_artifact(raw_manifest, raw_tensors)
+        _fsync_write(tmp / TENSOR_FILE, raw_tensors)
+        _fsync_write(tmp / MANIFEST_FILE, raw_manifest)
+        if not final.exists():
+            os.rename(tmp, final)
+        elif _exchange(tmp, final):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old artifact
+        else:
             old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(final, old)
             os.rename(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
+def _read_at(dir_fd: int, name: str) -> bytes | None:
+    try:
+        fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _still_there(directory: Path, dir_fd: int) -> bool:
+    try:
+        now, opened = os.stat(directory), os.fstat(dir_fd)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def read_files(directory: Path, attempts: int = 10) -> tuple[bytes | None, bytes | None]:
+    """(manifest.json, tensors.safetensors) bytes of one version of the folder (None: absent). Both files are
+    opened through one descriptor of the folder, so a concurrent overwrite (which swaps whole folders) never
+    pairs a manifest with another version's tensors; a version deleted while it was read is read again."""
+    files: tuple[bytes | None, bytes | None] = (None, None)
+    for _ in range(attempts):
+        try:
+            dir_fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except (FileNotFoundError, NotADirectoryError):
+            return None, None
+        try:
+            files = _read_at(dir_fd, MANIFEST_FILE), _read_at(dir_fd, TENSOR_FILE)
+            if None not in files or _still_there(directory, dir_fd):
+                return files
+        finally:
+            os.close(dir_fd)
+    return files
+
+
 def read_manifest(directory: str | Path) -> dict:
+    """The checked manifest alone (digest, schema, cross-checks): the tensor file is not read."""
     path = Path(directory) / MANIFEST_FILE
     if not path.is_file():
         raise ManifestError(f"no {MANIFEST_FILE} in {str(directory)!r}: not an artifact folder")
-    try:
-        manifest = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SchemaError(f"{MANIFEST_FILE} is not valid JSON: {exc}") from None
-    validate_schema(manifest)
-    return manifest
+    return parse_manifest(path.read_bytes())
 
 
 def load_artifact(directory: str | Path, spec=None) -> Artifact:
-    """Strict: schema, file checksum, every tensor's shape / dtype / checksum, and (given a ModelSpec) the model
-    identity. Raises a ManifestError subclass per cause; returns only a fully checked artifact."""
+    """Strict: see parse_artifact. Returns only a fully checked artifact."""
     directory = Path(directory)
-    manifest = read_manifest(directory)
-    tensor_path = directory / TENSOR_FILE
-    if not tensor_path.is_file():
-        raise ManifestError(f"missing {TENSOR_FILE} in {str(directory)!r}")
-    if sha256_file(tensor_path) != manifest["tensor_file"]["sha256"]:
-        raise ChecksumError(f"{TENSOR_FILE} sha256 does not match the manifest")
-    try:
-        tensors = load_file(str(tensor_path))
-    except Exception as exc:  # a file with the right checksum but unreadable: refuse, never guess
-        raise ChecksumError(f"{TENSOR_FILE} could not be read: {type(exc).__name__}") from None
-    try:
-        check_tensors(manifest, tensors)
-        policy = policy_from_manifest(manifest, tensors)
-    except (KeyError, TypeError, IndexError) as exc:
-        raise SchemaError(f"manifest is inconsistent: {type(exc).__name__}: {exc}") from None
-    if spec is not None:
-        check_model(manifest, spec)
-    return Artifact(directory, manifest, tensors, policy)
+    raw_manifest, raw_tensors = read_files(directory)
+    if raw_manifest is None:
+        raise ManifestError(f"no {MANIFEST_FILE} in {str(directory)!r}: not an artifact folder")
+    return parse_artifact(raw_manifest, raw_tensors, spec, directory)
 
 
 def update_manifest(directory: str | Path, **fields) -> dict:
-    """Replace top-level fields (e.g. runtime_check) atomically; the tensor file is untouched."""
+    """Replace informative top-level fields (UPDATABLE: evaluation, runtime_check, gate) and re-sign the digest;
+    the tensor file is untouched. The new manifest goes to a uniquely named temporary file in the same folder,
+    fsynced, then os.replace'd over manifest.json: readers see the old or the new file, and concurrent writers
+    never share a temporary file (the last replace wins; each writer's own read-modify-write is not merged)."""
+    refused = sorted(set(fields) - set(UPDATABLE))
+    if refused:
+        raise SchemaError(f"update_manifest may replace only {list(UPDATABLE)}, got {refused}")
     manifest = read_manifest(directory)
     manifest.update(json.loads(json.dumps(fields)))
-    validate_schema(manifest)
+    raw = serialize_manifest(manifest)
+    manifest = parse_manifest(raw)
     path = Path(directory) / MANIFEST_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(path)
+    tmp = path.parent / f".{MANIFEST_FILE}.{uuid.uuid4().hex}.tmp"
+    try:
+        _fsync_write(tmp, raw)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return manifest

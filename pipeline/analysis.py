@@ -3,12 +3,15 @@ map, passkey probes, the drift gate -- and report.md. Stages stay pure; this mod
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 import torch
 
 from exporters.codec import CachePolicy
 from exporters.ledger import predict_bytes
+from pipeline import faults
+from pipeline.files import atomic_write_text
 from pipeline.runner import Runner, Stage
 from stages import evaluate, gate, layer_policy, probes, sensitivity
 
@@ -104,19 +107,25 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
         edges = sens["bucket_edges"]
         heatmap(sens["map_kl"], edges, "next-token KL, one layer quantized", run_dir / "heatmap_kl.png", "magma")
         heatmap(sens["map_cos"], edges, "attention-output cosine", run_dir / "heatmap_cos.png", "viridis")
-        with open(run_dir / "layer_position_map.csv", "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["layer", "bucket", "kl", "cos"])
-            for layer, (kls, coss) in enumerate(zip(sens["map_kl"], sens["map_cos"])):
-                for j, (kl, cos) in enumerate(zip(kls, coss)):
-                    w.writerow([layer, edges[j], f"{kl:.6g}", f"{cos:.6g}"])
+        table = io.StringIO()
+        w = csv.writer(table, lineterminator="\r\n")  # the csv module's default, as before
+        w.writerow(["layer", "bucket", "kl", "cos"])
+        for layer, (kls, coss) in enumerate(zip(sens["map_kl"], sens["map_cos"])):
+            for j, (kl, cos) in enumerate(zip(kls, coss)):
+                w.writerow([layer, edges[j], f"{kl:.6g}", f"{cos:.6g}"])
+        atomic_write_text(run_dir / "layer_position_map.csv", table.getvalue())
         lines += ["## Where the error lands (layer x position)", "", "![kl](heatmap_kl.png) ![cos](heatmap_cos.png)", "",
                   "CSV: `layer_position_map.csv`.", ""]
-    lines += ["## Layer map", "", "| layer | K | V | KL (K only) | KL (V only) | KL (K+V) |", "|---|---|---|---|---|---|"]
+    # a KL column per sensitivity variant that was computed (sensitivity.variants); the others are left out
+    computed = [v for v in ("k", "v", "kv") if sens and v in sens["variants"]]
+    titles = {"k": "KL (K only)", "v": "KL (V only)", "kv": "KL (K+V)"}
+    header = ["layer", "K", "V", *(titles[v] for v in computed)]
+    lines += ["## Layer map", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for i, (pk, pv) in enumerate(target.layers):
-        kl = [sens["layer_kl"][v][i] if sens and v in sens["variants"] else float("nan") for v in ("k", "v", "kv")]
-        lines.append(f"| {i} | {pk.format}{pk.bits if pk.format != 'fp16' else ''} | {pv.format}{pv.bits if pv.format != 'fp16' else ''} | "
-                     f"{kl[0]:.4g} | {kl[1]:.4g} | {kl[2]:.4g} |")
+        cells = [str(i), f"{pk.format}{pk.bits if pk.format != 'fp16' else ''}",
+                 f"{pv.format}{pv.bits if pv.format != 'fp16' else ''}",
+                 *(f"{sens['layer_kl'][v][i]:.4g}" for v in computed)]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Ledger (bytes per sequence, batch 1)", "", "| tokens | this artifact | fp16 | ratio |", "|---|---|---|---|"]
     expected = [(summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_k"),
                  summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_v"))] * spec.n_layers
@@ -141,7 +150,6 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
     check = summary.get("runtime_check")
     if check:
         lines += ["", f"## Runtime check: {check.get('status')}", "", f"{check}"]
-    path = run_dir / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    faults.point("report.before_write")
+    return atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")
 

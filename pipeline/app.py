@@ -8,18 +8,18 @@ Stages are pure (stages/): this module only names them, says which results feed 
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from exporters.checksums import sha256_json
 from exporters.native import update_manifest
-from pipeline import analysis
+from pipeline import analysis, faults
 from pipeline.config import QuantConfig, RunConfig, load_recipe
 from pipeline.data import build_windows
-from pipeline.errors import GateError, RuntimeCheckError
+from pipeline.errors import GateError, RuntimeCheckError, UserError
 from pipeline.export import export
+from pipeline.files import atomic_write_json
 from pipeline.model import LoadedModel, load_model
 from pipeline.runner import Runner, Stage, peak_rss_mb
 from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
@@ -139,7 +139,7 @@ def _smooth_and_prefix_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes:
         return out
     prefix_tokens.validate(cfg.prefix, min(cfg.traces.down_top_k, windows.calib.shape[1]))
     if spec.bos_token_id is None:
-        raise ValueError(f"quant.prefix=true: the tokenizer of model {spec.name} has no BOS token "
+        raise UserError(f"quant.prefix=true: the tokenizer of model {spec.name} has no BOS token "
                          f"(bos_token_id is None), and the prefix ends in BOS")
     out.append(Stage("prefix_tokens",
                      lambda inp, pr: prefix_tokens.fit(prefix_tokens.Inputs(model, spec, inp["traces"].tensors),
@@ -175,16 +175,28 @@ def calibration_tensors(q: QuantConfig, inp: dict[str, StageResult]) -> dict[str
     return out
 
 
+def model_identity(lm: LoadedModel) -> str:
+    """What of the model a stage result depends on: weights and config (model_sha256), the tokenizer (probe
+    prompts are tokenized inside the graph), and the dtype and device the weights were loaded to (model_sha256
+    hashes the weight file, which is the same for float32 and bfloat16 loads)."""
+    param = next(lm.model.parameters())
+    return sha256_json({"model": lm.spec.model_sha256, "tokenizer": lm.spec.tokenizer_sha256,
+                        "dtype": str(param.dtype), "device": param.device.type})
+
+
 def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool = True) -> dict:
     start = time.perf_counter()
     lm = load_model(cfg.model)
     windows = build_windows(cfg.data, lm.tokenizer)
+    if cfg.gate.enabled and not cfg.eval.enabled:  # the gate judges the evaluation: never skip it silently
+        raise UserError("gate.enabled=true needs eval.enabled=true (the gate judges the evaluation's perplexity "
+                        "ratio); got eval.enabled=false: set gate.enabled=false too, or enable the evaluation")
     recipes = recipes_of(cfg)
     for q in recipes:  # refuse a bad recipe before any stage runs
         recipe.validate_recipe(q)
     codebooks.check_weighting(cfg.codebooks.weighting)
     data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
-    runner = Runner(cfg.cache_dir, lm.spec.model_sha256, data_id, log=log, show_progress=show_progress)
+    runner = Runner(cfg.cache_dir, model_identity(lm), data_id, log=log, show_progress=show_progress)
     results: dict[str, StageResult] = runner.run(build_stages(cfg, lm, windows, recipes))
     calib_wall = sum(r.wall_s for r in runner.records if r.name.split("-")[0] in CALIBRATION_STAGES)
     summary = {
@@ -226,13 +238,14 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
             from pipeline.check import run_check
             summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
         if "gate" in summary.get("drift", {}):
+            faults.point("export.before_update_manifest")
             update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
     if "evaluate" in results:
         examples = analysis.changed_examples(lm, windows.eval[0], target)
         summary["report"] = str(analysis.write_report(run_dir, summary, target, lm.spec, examples))
-    tmp = run_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, default=str))
-    tmp.replace(run_dir / "summary.json")
+    summary["stages"] = [dict(r.__dict__) for r in runner.records]  # with the stages run after calibration
+    faults.point("summary.before_write")
+    atomic_write_json(run_dir / "summary.json", summary)
     log(runner.table())
     if "evaluation" in summary:
         log(evaluate.table(summary["evaluation"]["recipes"]))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError, user_errors
 
 if TYPE_CHECKING:
     import torch
@@ -168,11 +168,10 @@ def _validate(contexts: list[int], batches: list[int], max_context: int | None) 
 
 def main(args: list[str]) -> int:
     """`python -m pipeline check DIR [contexts=[64,200]] [batches=[1,2]] [gpu_contexts=[...]]`: EXIT_OK when the
-    check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact or the arguments are refused."""
+    check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact or the arguments are refused
+    (pipeline.errors.user_errors()); anything else propagates (pipeline/cli.py: EXIT_INTERNAL)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-
-    from exporters.manifest import ManifestError
 
     directory, overrides = args[0], [a.removeprefix("check.") for a in args[1:]]
     try:
@@ -181,7 +180,7 @@ def main(args: list[str]) -> int:
     except OmegaConfBaseException as exc:
         print(f"error: invalid check option: {exc}", file=sys.stderr)
         return EXIT_USER
-    except (ManifestError, UserError) as exc:
+    except user_errors() as exc:  # the strict loader refused the artifact, or an option / the model was refused
         print(f"error: {directory}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED

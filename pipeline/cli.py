@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_INTERNAL, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
 
 USAGE = """usage: python -m pipeline <command> [key=value ...]
 
@@ -28,16 +28,29 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_USER)
     if command == "run":
         sys.argv = [sys.argv[0], *rest]
-        _hydra_run()
-        return
+        sys.exit(_hydra_run())
     if not rest:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
         sys.exit(EXIT_USER)
-    sys.exit(_show(rest) if command == "show" else _check(rest))
+    try:
+        code = _show(rest) if command == "show" else _check(rest)
+    except Exception as exc:  # noqa: BLE001 -- what no handler expected is a bug: its own code, never EXIT_USER's
+        code = internal_error(exc)
+    sys.exit(code)
+
+
+def internal_error(exc: BaseException) -> int:
+    """An exception no handler expected: the traceback, one line naming it, EXIT_INTERNAL (not EXIT_USER, which
+    says the input was wrong, nor EXIT_CHECK_FAILED, which Python's own exit status 1 would say)."""
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    print(f"error: internal error (a bug, not bad input): {type(exc).__name__}: {exc}", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 def _show(args: list[str]) -> int:
-    from exporters.manifest import ManifestError
+    from pipeline.errors import user_errors
 
     target = args[0]
     try:
@@ -46,7 +59,7 @@ def _show(args: list[str]) -> int:
             print(show_artifact(target))
             return EXIT_OK
         return _show_run(target, args[1:])
-    except ManifestError as exc:
+    except user_errors() as exc:  # the strict loader refused the artifact, or no such run
         print(f"error: {target}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER
 
@@ -77,11 +90,18 @@ def _check(args: list[str]) -> int:
     return check_main(args)
 
 
-def _hydra_run() -> None:
+def _hydra_run() -> int:
+    """Hydra composes the config and calls run_from_dictconfig (once per job under `-m`), whose exit code ends
+    the process. What Hydra itself refuses before that -- an unknown group option or key, a malformed override --
+    it would print and exit with status 1, EXIT_CHECK_FAILED's code; HYDRA_FULL_ERROR=1 makes it raise instead,
+    so such a refusal exits EXIT_USER with Hydra's message, and anything else EXIT_INTERNAL."""
+    import os
+
     import hydra
     from omegaconf import DictConfig
 
     from pipeline.config import register_configs
+    from pipeline.errors import user_errors
 
     register_configs()
     conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
@@ -94,19 +114,45 @@ def _hydra_run() -> None:
         if code:
             sys.exit(code)
 
-    _app()
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _app()
+    except user_errors() as exc:
+        print(f"error: invalid command line or config: {_config_message(exc)}", file=sys.stderr)
+        return EXIT_USER
+    except Exception as exc:  # noqa: BLE001
+        return internal_error(exc)
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    return EXIT_OK
+
+
+def _config_message(exc: BaseException) -> str:
+    """Hydra's message and the OmegaConf error under it (what Hydra prints itself), without its hint to append a
+    key with `+key=value`: the schema refuses unknown keys either way."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    parts = [str(exc)]
+    if isinstance(exc.__cause__, OmegaConfBaseException) and str(exc.__cause__) not in parts[0]:
+        parts.append(str(exc.__cause__))
+    lines = "\n".join(parts).splitlines()
+    return "\n".join(line for line in lines if not line.startswith("To append to your config use +"))
 
 
 def run_from_dictconfig(cfg, run_dir: Path) -> int:
     """Typed config -> pipeline run recorded in MLflow -> an exit code (pipeline/errors.py). Each error becomes one
-    line on stderr: user errors EXIT_USER, a failed runtime check EXIT_CHECK_FAILED (as `check` exits), an
-    unreachable tracking store EXIT_UNREACHABLE and a failed drift gate EXIT_GATE (results still written)."""
+    line on stderr: a failed runtime check EXIT_CHECK_FAILED (as `check` exits), an unreachable tracking store
+    EXIT_UNREACHABLE and a failed drift gate EXIT_GATE (results still written), bad input (user_errors())
+    EXIT_USER; anything else is a bug: its traceback and EXIT_INTERNAL."""
     from omegaconf.errors import OmegaConfBaseException
 
     from pipeline.config import to_typed
-    from pipeline.errors import GateError, RuntimeCheckError, UserError
+    from pipeline.errors import GateError, RuntimeCheckError, user_errors
     from pipeline.tracking import TrackingError, tracked_run
-    from stages.base import NonFiniteError
 
     try:
         typed = to_typed(cfg)
@@ -119,20 +165,20 @@ def run_from_dictconfig(cfg, run_dir: Path) -> int:
                     recorder.record(exc.out)
                 raise
             recorder.record(out)
-    except OmegaConfBaseException as exc:
-        print(f"error: invalid config: {exc}", file=sys.stderr)
-        return EXIT_USER
     except RuntimeCheckError as exc:  # the manifest and summary record the failed check
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_CHECK_FAILED
-    except (UserError, NonFiniteError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER
     except TrackingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except GateError as exc:  # the artifact, summary and report are written; the run is marked failed
         print(f"error: {exc}\nresults: {run_dir.resolve()}", file=sys.stderr)
         return EXIT_GATE
+    except user_errors() as exc:
+        what = "invalid config: " if isinstance(exc, OmegaConfBaseException) else ""
+        print(f"error: {what}{exc}", file=sys.stderr)
+        return EXIT_USER
+    except Exception as exc:  # noqa: BLE001 -- a bug, reported as one; the MLflow run is already marked FAILED
+        return internal_error(exc)
     print(f"results: {run_dir.resolve()}")
     return EXIT_OK

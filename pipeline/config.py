@@ -4,6 +4,7 @@ Code below the Hydra entry point receives these typed objects (via `to_typed`), 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from stages.smooth_attention import SmoothConfig
 from stages.traces import TracesConfig
 
 from pipeline.check import CheckConfig  # the runtime check's options live with the check
+from pipeline.errors import UserError
 
 
 @dataclass
@@ -127,7 +129,7 @@ def load_recipe(name: str) -> QuantConfig:
     """A `conf/quant/NAME.yaml` recipe as a typed QuantConfig (the same file Hydra reads for quant=NAME)."""
     path = CONF_DIR / "quant" / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"quant recipe must be one of {recipe_names()}, got {name!r}")
+        raise UserError(f"quant recipe must be one of {recipe_names()}, got {name!r}")
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(path)))
     assert isinstance(obj, QuantConfig)
     return obj
@@ -139,11 +141,30 @@ def register_configs() -> None:
 
 
 def to_typed(cfg: DictConfig) -> RunConfig:
-    """Validate against the schema and turn the DictConfig into RunConfig dataclasses."""
+    """Validate against the schema and turn the DictConfig into RunConfig dataclasses. A key the schema lacks is
+    refused: `key=value` Hydra refuses itself, `+key=value` it adds, and the dataclasses would drop it silently."""
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
     obj = OmegaConf.to_object(merged)
     assert isinstance(obj, RunConfig)
+    unknown = _unknown_keys(OmegaConf.to_container(merged, resolve=True), dataclasses.asdict(obj))
+    if unknown:
+        raise UserError("not config keys (the schema is pipeline/config.py; `+key=value` cannot add one): "
+                        + "; ".join(unknown))
     return obj
+
+
+def _unknown_keys(given, typed, path: str = "") -> list[str]:
+    """Keys of `given` (the merged config) that are not in `typed` (the dataclasses), each with the allowed keys."""
+    if not (isinstance(given, dict) and isinstance(typed, dict)):
+        return []
+    out = []
+    for key, value in given.items():
+        if key in typed:
+            out += _unknown_keys(value, typed[key], f"{path}{key}.")
+        else:
+            where = path.rstrip(".") or "the config"
+            out.append(f"{path}{key} ({where} takes {', '.join(map(str, typed)) or 'no keys'})")
+    return out
 
 
 __all__ = ["RunConfig", "ModelConfig", "DataConfig", "QuantConfig", "TensorQuantConfig", "TracesConfig",

@@ -1,25 +1,48 @@
 """The errors the command line reports as one line on stderr, and its exit codes.
 
-Exit codes of `python -m pipeline <run|check|show>`:
-    EXIT_OK            0  done (`check`: the runtime check passed)
-    EXIT_CHECK_FAILED  1  the runtime check failed: the kernel disagrees with the oracle or could not run
-                          (`check`, and `run` through RuntimeCheckError); the manifest records the outcome
-    EXIT_USER          2  bad input refused before or while running (UserError, an invalid config or option,
-                          an artifact the strict loader refuses, a bad command line)
-    EXIT_UNREACHABLE   3  the MLflow tracking store could not be reached; the results are still written
-    EXIT_GATE          4  the artifact crossed a drift-gate threshold (GateError); the results are still written
+Exit codes of `python -m pipeline <run|check|show>`, the same for every subcommand (README.md "Exit codes" holds
+this table verbatim; tests/pipeline/test_cli.py checks that the two agree and match the constants below):
+
+| code | name | meaning |
+|---|---|---|
+| 0 | `EXIT_OK` | done (`check`: the runtime check passed) |
+| 1 | `EXIT_CHECK_FAILED` | the runtime check failed: kernel and oracle disagree, or the kernel could not run |
+| 2 | `EXIT_USER` | bad input refused: config, option, recipe, model, data, artifact or command line |
+| 3 | `EXIT_UNREACHABLE` | the MLflow tracking store could not be reached; the results are still written |
+| 4 | `EXIT_GATE` | the artifact crossed a drift-gate threshold; the results are still written |
+| 5 | `EXIT_INTERNAL` | an unexpected error (a bug, not bad input); the traceback is printed |
+
+Which exception gives which code: RuntimeCheckError -> 1 (the manifest records the failed check); `user_errors()`
+-> 2 (UserError and every stages.base.InputError, exporters' CodecError and ManifestError, OmegaConf and Hydra
+config errors); TrackingError -> 3; GateError -> 4; anything else -> 5.
 """
 from __future__ import annotations
+
+from stages.base import InputError
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USER = 2
 EXIT_UNREACHABLE = 3
 EXIT_GATE = 4
+EXIT_INTERNAL = 5
 
 
-class UserError(Exception):
-    """Bad input or a missing resource: the message says what was given and what is allowed (EXIT_USER)."""
+class UserError(InputError):
+    """Bad input or a missing resource: the message says what was given and what is allowed (EXIT_USER). The
+    pipeline's kind of stages.base.InputError, which the stages raise for the same reason."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that are deliberate refusals of bad input (EXIT_USER). Imported when needed: the
+    codec and the manifest bring torch, OmegaConf and Hydra their own weight."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from exporters.codec import CodecError
+    from exporters.manifest import ManifestError
+
+    return (InputError, CodecError, ManifestError, OmegaConfBaseException, HydraException)
 
 
 class GateError(RuntimeError):
@@ -42,5 +65,5 @@ class RuntimeCheckError(Exception):
         self.result = result
 
 
-__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "UserError", "GateError",
-           "RuntimeCheckError"]
+__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "EXIT_INTERNAL", "UserError",
+           "InputError", "user_errors", "GateError", "RuntimeCheckError"]

@@ -6,17 +6,23 @@
   KIVI plots |K| and |V| over tokens x channels; the traces keep the per-channel abs-max over all tokens, which
   is the envelope of that surface along the token axis.
 
+- Layer x position heatmaps for report.md (`heatmap`).
+
 Figures are built with `matplotlib.figure.Figure` and written by the Agg renderer, never through pyplot, so
-no GUI backend is touched and no global figure state is left behind.
+no GUI backend is touched and no global figure state is left behind. Each PNG is rendered in memory and written
+atomically (pipeline/files.py): a killed run leaves the old file or the new one, never a torn image.
 """
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from pipeline.files import atomic_write_bytes
 
 _PANELS = (("k_pre_absmax", "K pre-RoPE"), ("k_post_absmax", "K post-RoPE"), ("v_absmax", "V"))
 
@@ -89,28 +95,23 @@ def _overview(stats: dict[str, np.ndarray], n_kv_heads: int, head_dim: int, path
     return _save(fig, path)
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
-
-
-__all__ = ["ppl_vs_bits", "kv_channel_magnitudes"]
-
-
-def heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(4 + len(edges), 6))
+def heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> Path:
+    """values [n_layers][n_buckets] -> a layer x position-bucket image (bucket j spans edges[j]..edges[j+1])."""
+    fig = Figure(figsize=(4 + len(edges), 6), dpi=100, layout="tight")
+    ax = fig.add_subplot()
     im = ax.imshow(values, aspect="auto", cmap=cmap)
     ax.set_xticks(range(len(edges)), [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"])
     ax.set_xlabel("position bucket")
     ax.set_ylabel("layer")
     ax.set_title(title)
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return _save(fig, path)
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+__all__ = ["ppl_vs_bits", "kv_channel_magnitudes", "heatmap"]

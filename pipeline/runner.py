@@ -1,12 +1,20 @@
-"""The stage graph runner: content-hash cache, atomic cache writes, progress, wall time and peak RSS.
+"""The stage graph runner: content-hash cache, atomic cache writes, per-entry locks, progress, wall time, peak RSS.
 
-A stage's cache key hashes its name and version, its config, its inputs' keys, the model identity and the
-data identity. Entries are `<cache_dir>/<stage>/<key>/{tensors.safetensors, meta.json}`, written into a
-temporary folder and renamed, so a run killed midway never leaves an entry that looks whole; a leftover
-temporary folder is ignored and removed, and an entry whose tensor checksum does not match is recomputed.
+A stage's cache key hashes its name and version, its config, its inputs' keys, the model identity, the data
+identity and the code identity (`code_identity`: sources and library versions). Entries are
+`<cache_dir>/<stage>/<key>/{tensors.safetensors, meta.json}`, written into a temporary folder
+(`.tmp-<key>-<random>-<pid>@<host id>`, files fsynced) and renamed, so a run killed midway never leaves an entry
+that looks whole; an entry whose tensor checksum does not match is logged as damaged and recomputed.
+
+Several jobs may share one cache_dir at once (a joblib sweep, SLURM jobs on NFS): an entry is computed under
+its lock `<cache_dir>/<stage>/.lock-<key>` (pipeline/locks.py), so a second job asking for it waits (and says
+so), then loads what the first stored instead of computing it again. A job removes only temporaries of a dead
+process on this host, or older than `FOREIGN_TMP_AGE_S` (another host's), never a live job's write in progress
+(its own failed writes it removes itself).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -22,6 +30,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from exporters.checksums import sha256_file, sha256_json
+from pipeline import faults
+from pipeline.files import fsync_dir
+from pipeline.locks import FileLock, owner_is_gone, owner_suffix, remove_if_stale
 from stages.base import StageResult
 
 StageFn = Callable[[dict[str, StageResult], Callable[[int], None]], StageResult]
@@ -46,6 +57,7 @@ class StageRecord:
     wall_s: float
     peak_rss_mb: float
     config_sha256: str = ""
+    waited_s: float = 0.0              # time spent waiting for another job computing the same entry
 
 
 class _RssSampler:
@@ -75,14 +87,30 @@ def _jsonable(config: Any) -> Any:
     return asdict(config) if is_dataclass(config) else config
 
 
+# libraries whose upgrade can change a stage's numbers: kernels (torch), model code and GGUF dequantization
+# (transformers, gguf), tokenization (tokenizers), k-means and reductions (scikit-learn, numpy), the tensor file
+# format (safetensors)
+RESULT_LIBRARIES = ("torch", "transformers", "safetensors", "tokenizers", "gguf", "numpy", "scikit-learn")
+
+
 def code_identity() -> str:
-    """sha256 over the sources of the code that computes stage results -- the stages, the format they call, and
-    the wiring that chooses their inputs (pipeline/app.py, pipeline/analysis.py): an edit invalidates every
-    entry, so a cache hit never returns what an older version of the code computed."""
+    """sha256 over everything besides config, inputs, model and data that computes stage results: the sources of
+    the stages, of the format they call (exporters/), of the wiring that chooses their inputs (pipeline/app.py,
+    pipeline/analysis.py) and of model loading (pipeline/model.py: dtype, the tiny model's construction), and the
+    installed versions of RESULT_LIBRARIES. An edit or an upgrade invalidates every entry, so a cache hit never
+    returns what other code computed. (The calibration and evaluation windows are covered by the data identity,
+    pipeline/data.py's token ids; the weights, dtype and device by the model identity, pipeline/app.py.)"""
     root = Path(__file__).resolve().parent.parent
     files = sorted(p for pkg in ("stages", "exporters") for p in (root / pkg).rglob("*.py"))
-    files += [root / "pipeline" / "app.py", root / "pipeline" / "analysis.py"]
-    return sha256_json({str(p.relative_to(root)): sha256_file(p) for p in files})
+    files += [root / "pipeline" / name for name in ("app.py", "analysis.py", "model.py")]
+    versions = {}
+    for lib in RESULT_LIBRARIES:
+        try:
+            versions[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            versions[lib] = None
+    return sha256_json({"sources": {str(p.relative_to(root)): sha256_file(p) for p in files},
+                        "libraries": versions})
 
 
 def cache_key(stage: Stage, dep_keys: list[str], model_id: str, data_id: str, code_id: str = "") -> str:
@@ -90,55 +118,132 @@ def cache_key(stage: Stage, dep_keys: list[str], model_id: str, data_id: str, co
                         "deps": dep_keys, "model": model_id, "data": data_id, "code": code_id})[:32]
 
 
+FOREIGN_TMP_AGE_S = 6 * 3600  # another host's temporary folder older than this is a crash's leftover
+
+
 class StageCache:
-    def __init__(self, root: Path):
+    """`<root>/<stage>/<key>/` entries; see the module docstring. `log` hears about damaged entries and locks."""
+
+    def __init__(self, root: Path, log: Callable[[str], None] = print, heartbeat_s: float = 10.0,
+                 stale_after_s: float = 120.0, poll_s: float = 0.5):
         self.root = Path(root)
+        self.log = log
+        self._reported: set[tuple[str, str]] = set()
+        self.lock_options = {"heartbeat_s": heartbeat_s, "stale_after_s": stale_after_s, "poll_s": poll_s}
 
     def _dir(self, stage: str, key: str) -> Path:
         return self.root / stage / key
 
+    def lock(self, stage: str, key: str) -> FileLock:
+        """The entry's lock (a context manager that blocks until held)."""
+        folder = self.root / stage
+        folder.mkdir(parents=True, exist_ok=True)
+        return FileLock(folder / f".lock-{key}", f"cache entry {stage} {key[:12]}", log=self.log, **self.lock_options)
+
     def load(self, stage: str, key: str) -> StageResult | None:
+        """The entry, or None when there is none; a damaged one (checksum, unreadable) is logged and skipped."""
         d = self._dir(stage, key)
         meta_path, tensor_path = d / "meta.json", d / "tensors.safetensors"
-        if not meta_path.is_file() or not tensor_path.is_file():
+        if not d.exists():
             return None
+        why = self._damage(d)
+        if why is None:
+            try:
+                record = json.loads(meta_path.read_text())
+                return StageResult(tensors=load_file(str(tensor_path)), meta=record["meta"])
+            except (OSError, ValueError, KeyError) as exc:
+                why = f"unreadable: {type(exc).__name__}: {exc}"
+        if why == "missing":  # removed between the look and the read (replaced by another job)
+            return None
+        if (stage, key) not in self._reported:
+            self._reported.add((stage, key))
+            self.log(f"cache: entry {stage} {key[:12]} is damaged ({why}); it is recomputed")
+        return None
+
+    @staticmethod
+    def _damage(d: Path) -> str | None:
+        """None when the entry at `d` is whole, else what is wrong with it."""
+        meta_path, tensor_path = d / "meta.json", d / "tensors.safetensors"
+        if not d.exists():
+            return "missing"
+        if not meta_path.is_file() or not tensor_path.is_file():
+            return f"files missing: has {sorted(p.name for p in d.iterdir())}"
         try:
             record = json.loads(meta_path.read_text())
-            if record.get("tensors_sha256") != sha256_file(tensor_path):
-                return None
-            return StageResult(tensors=load_file(str(tensor_path)), meta=record["meta"])
-        except (OSError, ValueError, KeyError):
-            return None
+            expected = record["tensors_sha256"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"meta.json unreadable: {type(exc).__name__}"
+        if expected != sha256_file(tensor_path):
+            return "tensors.safetensors does not match its sha256 in meta.json"
+        return None
+
+    def whole(self, stage: str, key: str) -> bool:
+        return self._damage(self._dir(stage, key)) is None
 
     def store(self, stage: str, key: str, result: StageResult) -> None:
         final = self._dir(stage, key)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}-{owner_suffix()}"
+        trash = final.parent / f".tmp-{key}-{uuid.uuid4().hex[:8]}-{owner_suffix()}"
         tmp.mkdir()
         try:
             tensors = {k: v.detach().contiguous().cpu() for k, v in result.tensors.items()}
             save_file(tensors, str(tmp / "tensors.safetensors"))
+            faults.point(f"cache.{stage}.saved")
             record = {"stage": stage, "key": key, "meta": result.meta,
                       "tensors_sha256": sha256_file(tmp / "tensors.safetensors")}
             (tmp / "meta.json").write_text(json.dumps(record, indent=1, default=str))
-            if final.exists():  # a stale or corrupt entry under the same key: replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            for name in ("tensors.safetensors", "meta.json"):  # on disk before the rename makes them visible
+                fd = os.open(tmp / name, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            faults.point(f"cache.{stage}.before_rename")
+            if final.exists() and self._damage(final) not in (None, "missing"):
+                # a damaged entry under the same key: moved aside (one rename), then replaced
+                try:
+                    os.rename(final, trash)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rename(tmp, final)
+            except OSError:  # a whole entry is there already (another job's, without our lock): keep it
+                if self._damage(final) is not None:
+                    raise
+            fsync_dir(final.parent)
+            faults.point(f"cache.{stage}.stored")
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            for leftover in (tmp, trash):
+                if leftover.exists():
+                    shutil.rmtree(leftover, ignore_errors=True)
 
     def clean_temporaries(self) -> int:
-        stale = list(self.root.glob("*/.tmp-*")) if self.root.exists() else []
-        for p in stale:
-            shutil.rmtree(p, ignore_errors=True)
-        return len(stale)
+        """Remove what interrupted writes left: temporary folders of a dead process on this host or older than
+        FOREIGN_TMP_AGE_S (another host's, or named before owners were recorded), and stale lock files (a
+        process killed between storing an entry and releasing its lock); never a live job's write or lock,
+        this process's included. -> how many were removed."""
+        removed = 0
+        if not self.root.exists():
+            return 0
+        for p in self.root.glob("*/.tmp-*"):
+            try:
+                mtime = p.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if owner_is_gone(p.name, mtime, FOREIGN_TMP_AGE_S):
+                shutil.rmtree(p, ignore_errors=True)
+                removed += 1
+        for p in self.root.glob("*/.lock-*"):
+            if not p.name.endswith(".break") and remove_if_stale(p, self.lock_options["stale_after_s"]):
+                removed += 1
+        return removed
 
 
 class Runner:
     def __init__(self, cache_dir: str | Path, model_id: str, data_id: str, log: Callable[[str], None] = print,
-                 show_progress: bool = True):
-        self.cache = StageCache(Path(cache_dir))
+                 show_progress: bool = True, **lock_options):
+        self.cache = StageCache(Path(cache_dir), log=log, **lock_options)
         self.model_id, self.data_id = model_id, data_id
         self.log, self.show_progress = log, show_progress
         self.records: list[StageRecord] = []
@@ -149,7 +254,8 @@ class Runner:
         """Run stages in order; `given` are results of an earlier call on this runner that stages may depend on."""
         removed = self.cache.clean_temporaries()
         if removed:
-            self.log(f"removed {removed} unfinished cache entr{'y' if removed == 1 else 'ies'} from an interrupted run")
+            self.log(f"removed {removed} unfinished cache entr{'y' if removed == 1 else 'ies'} or stale lock"
+                     f"{'' if removed == 1 else 's'} from an interrupted run")
         names = [s.name for s in stages]
         results: dict[str, StageResult] = dict(given or {})
         for stage in stages:
@@ -159,24 +265,40 @@ class Runner:
             key = cache_key(stage, [self.keys[d] for d in stage.deps], self.model_id, self.data_id, self.code_id)
             self.keys[stage.name] = key
             start = time.perf_counter()
+            waited = 0.0
             with _RssSampler() as rss:
-                result = self.cache.load(stage.name, key) if stage.cache else None
-                status = "cached" if result is not None else "computed"
-                if result is None:
-                    result = self._compute(stage, {d: results[d] for d in stage.deps})
-                    if stage.cache:
-                        self.cache.store(stage.name, key, result)
+                inputs = {d: results[d] for d in stage.deps}
+                if not stage.cache:
+                    result, status = self._compute(stage, inputs), "computed"
+                else:
+                    result, status = self.cache.load(stage.name, key), "cached"
+                    if result is None:
+                        with self.cache.lock(stage.name, key) as lock:  # another job may be computing it
+                            waited = lock.waited_s
+                            result = self.cache.load(stage.name, key)  # stored while we looked or waited?
+                            if result is None:
+                                result, status = self._compute(stage, inputs), "computed"
+                                self.cache.store(stage.name, key, result)
             wall = time.perf_counter() - start
             self.records.append(StageRecord(stage.name, key, status, wall, rss.peak / 2**20,
-                                            sha256_json(_jsonable(stage.config))))
+                                            sha256_json(_jsonable(stage.config)), waited))
+            by = ""
+            if status == "cached" and waited:
+                by = f", computed by another job while this one waited {waited:.1f} s"
             self.log(f"stage {stage.name}: {'reused cache entry' if status == 'cached' else 'computed'} "
-                     f"{key[:12]} ({wall:.1f} s)")
+                     f"{key[:12]} ({wall:.1f} s{by})")
             results[stage.name] = result
         return {name: res for name, res in results.items() if name in names}
 
     def _compute(self, stage: Stage, inputs: dict[str, StageResult]) -> StageResult:
+        point = f"stage.{stage.name}.progress"
+
         with tqdm(total=stage.units, desc=stage.name, disable=not self.show_progress, leave=False) as bar:
-            return stage.fn(inputs, bar.update)
+            def progress(n: int = 1) -> None:
+                bar.update(n)
+                faults.point(point)
+
+            return stage.fn(inputs, progress)
 
     def table(self) -> str:
         lines = [f"{'stage':<28} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12}", "-" * 60]

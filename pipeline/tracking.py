@@ -9,10 +9,14 @@ A run records what produced it and what it measured:
   markdown) and PNG plots (pipeline/plots.py).
 
 The run is opened before the stages and closed after everything is logged, so a failed stage leaves a FAILED
-run with its error and nothing half-recorded is FINISHED. The store is checked once, with retries off and a
-short timeout, so an unreachable server costs seconds: the pipeline still runs and writes its results, then
-the process exits with `EXIT_UNREACHABLE` (pipeline/errors.py) naming the URI (`tracking.required=false`: a
-warning instead).
+run with its error and nothing half-recorded is FINISHED. A process killed outright (SIGKILL, OOM killer, node
+lost) cannot close its run, which stays RUNNING: every run records the host and pid that own it (tags
+`kvcalib_host`, `kvcalib_host_id`, `kvcalib_pid`, `kvcalib_pid_started`), and a new run of the same experiment
+marks a RUNNING run whose process is gone from this host KILLED, with the tag `error` saying so.
+
+The store is checked once, with retries off and a short timeout, so an unreachable server costs seconds: the
+pipeline still runs and writes its results, then the process exits with `EXIT_UNREACHABLE` (pipeline/errors.py)
+naming the URI (`tracking.required=false`: a warning instead).
 
 mlflow is imported inside the functions: `tracking.enabled=false` runs never pay for it. MlflowClient is used
 rather than the fluent API, whose exit hook would end an interrupted run as FINISHED.
@@ -40,8 +44,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import pipeline
+from pipeline import faults
 from pipeline.config import RunConfig, TrackingConfig
 from pipeline.errors import UserError
+from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from pipeline.locks import HOST, HOST_ID, pid_alive
 
 ENV_PARENT_RUN = "KVCALIB_MLFLOW_PARENT_RUN_ID"   # set by SweepCallback for the jobs of a sweep
 ENV_RUN_NAME = "KVCALIB_MLFLOW_RUN_NAME"          # a sweep job's name: the swept overrides it got
@@ -245,17 +252,16 @@ def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> No
     from pipeline import plots
 
     (dest / "config" / "hydra").mkdir(parents=True)
-    (dest / "config" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    atomic_write_text(dest / "config" / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     for name, path in _hydra_files(run_dir).items():
-        (dest / "config" / "hydra" / name).write_bytes(path.read_bytes())
+        atomic_write_bytes(dest / "config" / "hydra" / name, path.read_bytes())
     summary = out["summary"]
-    (dest / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_json(dest / "summary.json", summary)
     recipes = (summary.get("evaluation") or {}).get("recipes")
     if recipes:
-        (dest / "evaluation").mkdir()
         table_csv, table_md = evaluation_table(recipes)
-        (dest / "evaluation" / "table.csv").write_text(table_csv)
-        (dest / "evaluation" / "table.md").write_text(table_md)
+        atomic_write_text(dest / "evaluation" / "table.csv", table_csv)
+        atomic_write_text(dest / "evaluation" / "table.md", table_md)
         plots.ppl_vs_bits(recipes, dest / "plots" / "ppl_vs_bits.png")
     traces = (out.get("results") or {}).get("traces")
     if traces is not None and "k_pre_absmax" in traces.tensors:
@@ -278,9 +284,12 @@ class RunRecorder:
         try:
             self.client = connect(self.tcfg.uri, self.tcfg.probe_timeout_s)
             exp_id = experiment_id(self.client, self.tcfg.experiment)
+            reap_dead_runs(self.client, exp_id, self.log, self.warn)
             run = self.client.create_run(exp_id, run_name=self._run_name(), tags=self._start_tags())
             self.run_id = run.info.run_id
+            faults.point("mlflow.started")
             self._log_batch(params=flatten(asdict(self.cfg)))
+            faults.point("mlflow.params_logged")
         except Exception as exc:
             self.problem = str(exc) if isinstance(exc, TrackingError) else \
                 f"MLflow tracking store {self.tcfg.uri} failed ({_short(exc)})"
@@ -304,6 +313,7 @@ class RunRecorder:
         sha, dirty = git_state()
         tags = {"git_sha": sha, "git_dirty": str(dirty).lower() if dirty is not None else "unknown",
                 "kvcalib_version": pipeline.__version__, "run_dir": str(self.run_dir.resolve()),
+                **owner_tags(),
                 "overrides": " ".join(_overrides(self.run_dir)), "quant_name": self.cfg.quant.name,
                 "mlflow.source.name": "python -m pipeline run", "mlflow.source.type": "LOCAL",
                 "mlflow.user": _user()}
@@ -330,9 +340,11 @@ class RunRecorder:
             _write_artifacts(out, self.cfg, self.run_dir, Path(tmp))
             try:
                 self._log_batch(metrics=metrics, tags=tags)
+                faults.point("mlflow.metrics_logged")
                 self.client.log_artifacts(self.run_id, tmp)
                 for folder in folders:
                     self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
+                faults.point("mlflow.artifacts_logged")
             except Exception as exc:
                 self._store_failed(exc)
 
@@ -376,6 +388,7 @@ class RunRecorder:
 
     def finish(self) -> None:
         if self.run_id is not None:
+            faults.point("mlflow.before_end")
             try:
                 self.client.set_terminated(self.run_id, "FINISHED")
             except Exception as exc:
@@ -384,6 +397,41 @@ class RunRecorder:
         if self.problem and self.tcfg.required:
             raise TrackingError(f"{self.problem}; the results are complete in {self.run_dir.resolve()} but "
                                 f"were not recorded (tracking.required=false goes on without MLflow)")
+
+
+def owner_tags() -> dict[str, str]:
+    """Which process owns a run: read back by `reap_dead_runs`."""
+    import psutil
+
+    return {"kvcalib_host": HOST, "kvcalib_host_id": HOST_ID, "kvcalib_pid": str(os.getpid()),
+            "kvcalib_pid_started": repr(psutil.Process().create_time())}
+
+
+def reap_dead_runs(client, exp_id: str, log: Callable[[str], None] = _stdout, warn: Warn = _stderr) -> list[str]:
+    """Mark KILLED the runs of experiment `exp_id` still RUNNING whose process on this host is gone (killed
+    before it could end its run). Runs of other hosts are left alone: their processes cannot be asked. Best
+    effort: a store that refuses is warned about, never fatal."""
+    reaped = []
+    try:
+        running = client.search_runs([exp_id], filter_string=f"attributes.status = 'RUNNING' and "
+                                                             f"tags.kvcalib_host_id = '{HOST_ID}'", max_results=200)
+        for run in running:
+            tags = run.data.tags
+            try:
+                pid, started = int(tags["kvcalib_pid"]), float(tags["kvcalib_pid_started"])
+            except (KeyError, ValueError):
+                continue
+            if pid_alive(pid, started):
+                continue
+            client.set_tag(run.info.run_id, "error", f"process {pid} on {tags.get('kvcalib_host', HOST)} ended "
+                                                     f"without closing this run (killed); marked by a later run")
+            client.set_terminated(run.info.run_id, "KILLED")
+            reaped.append(run.info.run_id)
+    except Exception as exc:
+        warn(f"warning: could not look for runs left RUNNING by dead processes: {_short(exc)}")
+    if reaped:
+        log(f"mlflow: marked {len(reaped)} run(s) left RUNNING by a dead process KILLED: {', '.join(reaped)}")
+    return reaped
 
 
 class _NoRecorder:
@@ -584,4 +632,5 @@ def _when(ms: int | None) -> str:
 
 
 __all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run", "flatten",
+           "reap_dead_runs", "owner_tags",
            "summary_metrics", "summary_tags", "evaluation_table", "git_state", "ENV_PARENT_RUN"]

@@ -8,6 +8,11 @@ encoding and re-applies it after decoding. SmoothAttention: the cache stores K /
 
 Flushing: per-token formats encode every row that leaves the residual window; per-channel groups (KIVI) encode
 `group_size` rows at a time once the buffer holds residual + group_size rows.
+
+Beyond `update`, the cache does what transformers' generation asks of it: `reset` (empty, reusable),
+`reorder_cache` / `batch_select_indices` / `batch_repeat_interleave` (beam search: every stored row, encoded or
+fp16, follows its sequence), `crop(0)`. What it cannot do faithfully it refuses by name (NotImplementedError):
+`crop` of any tokens (flushed rows cannot return to the residual window) and `offload` / `prefetch`.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from exporters.codec import (CachePolicy, Encoded, TensorPolicy, decode, encode, pack_codes, static_bits,
                             unpack_codes)
 from exporters.rope import apply_rope, invert_rope
+from stages.base import InputError
 
 
 @dataclass
@@ -85,6 +91,41 @@ def load(block: StoredBlock, p: TensorPolicy) -> Encoded:
         e.outlier_index = torch.stack([row % b, in_row // d, row // b, in_row % d], dim=1)
         e.outlier_value = s["outlier_value"]
     return e
+
+
+def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t's entries idx along dim 0 (float8 moved as bytes: index_select need not support the type)."""
+    idx = idx.to(t.device)
+    if t.is_floating_point() and t.element_size() == 1:
+        return t.view(torch.uint8).index_select(0, idx).view(t.dtype)
+    return t.index_select(0, idx)
+
+
+def select_batch(block: StoredBlock | None, idx: torch.Tensor) -> StoredBlock | None:
+    """The block of the sequences idx [B'] (any order, repeats allowed): the block `store` gives for the batch
+    x[idx]. Codes, dense rows, scales and zero-points carry the batch in dim 0; sparse outliers are a flat list in
+    row order (row = t * B + b, see `store`), so whole rows of it are gathered in the new order."""
+    if block is None:
+        return None
+    b, h, t, d = block.shape
+    idx = idx.to(torch.long).cpu()
+    out = {k: _take(v, idx) for k, v in block.tensors.items() if _GROW_DIM[k] == 2}  # the [B, H, T, ...] ones
+    if "outlier_count" in block.tensors:
+        counts = block.tensors["outlier_count"].long().cpu().flatten()    # [T * B], t-major
+        starts = torch.cumsum(counts, 0) - counts
+        src = (torch.arange(t)[:, None] * b + idx[None, :]).flatten()    # [T * B']: old row of each new row
+        n = counts[src]
+        first = torch.cumsum(n, 0) - n
+        pos = (starts[src].repeat_interleave(n) + torch.arange(int(n.sum())) - first.repeat_interleave(n))
+        out["outlier_count"] = n.view(t, idx.numel()).to(torch.int16).to(block.tensors["outlier_count"].device)
+        out["outlier_index"] = _take(block.tensors["outlier_index"], pos)
+        out["outlier_value"] = _take(block.tensors["outlier_value"], pos)
+    return StoredBlock(block.start, (idx.numel(), h, t, d), out)
+
+
+_NO_OFFLOAD = ("ArtifactCache.offload: not implemented -- the encoded blocks (packed codes, scales, outliers) and "
+               "fp16 rows stay on the device they were written on")
+_NO_PREFETCH = "ArtifactCache.prefetch: not implemented -- the cache is never offloaded (see ArtifactCache.offload)"
 
 
 class ArtifactLayer(CacheLayerMixin):
@@ -160,7 +201,7 @@ class ArtifactLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
         if self.cumulative_length + t > self.max_positions:
-            raise ValueError(f"the cache would hold {self.cumulative_length + t} tokens, more than the model's "
+            raise InputError(f"the cache would hold {self.cumulative_length + t} tokens, more than the model's "
                              f"{self.max_positions} positions")
         k, v = key_states.to(torch.float16), value_states.to(torch.float16)
         n_sink_left = max(0, self.policy.n_sink - self.cumulative_length)
@@ -174,6 +215,52 @@ class ArtifactLayer(CacheLayerMixin):
             self.recent = (k, v) if self.recent is None else tuple(torch.cat([a, b], 2) for a, b in zip(self.recent, (k, v)))
             self._flush()
         return self.materialize()
+
+    # -- what transformers' Cache calls beyond update --------------------------------------------------------
+    def reset(self) -> None:
+        """Every stored row dropped (sink, encoded blocks, residual rows); the policy and the model's RoPE stay,
+        so the cache takes a new batch as if new."""
+        self.cumulative_length = 0
+        self.sink = self.recent = None
+        self.k_block = self.v_block = None
+        self.is_initialized = False
+
+    def _batch(self) -> int:
+        """Sequences held (0 when empty)."""
+        for held in (self.sink, self.recent):
+            if held is not None:
+                return held[0].shape[0]
+        return self.k_block.shape[0] if self.k_block is not None else 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences `indices` [B'] in that order (repeats allowed): every stored row follows its
+        sequence, the encoded blocks (codes, scales, zero-points, outliers) and the fp16 sink and residual rows."""
+        idx = torch.as_tensor(indices).to(torch.long).flatten()
+        self.sink, self.recent = (None if pair is None else tuple(_take(x, idx) for x in pair)
+                                  for pair in (self.sink, self.recent))
+        self.k_block, self.v_block = select_batch(self.k_block, idx), select_batch(self.v_block, idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence i continues beam_idx[i] (index_select on the batch, as transformers' layers)."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.batch_select_indices(torch.arange(self._batch()).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Only crop(0), a no-op: rows flushed into encoded blocks cannot go back into the residual window, so no
+        crop gives the cache that never saw the removed tokens (is_croppable is False)."""
+        if tokens_to_remove:
+            raise NotImplementedError(
+                f"ArtifactCache.crop({tokens_to_remove}): not implemented -- rows already flushed from the fp16 "
+                f"residual window into encoded blocks cannot be put back, so a cropped cache would not be the cache "
+                f"that never saw those tokens; reset() and refill it instead")
+
+    def offload(self):
+        raise NotImplementedError(_NO_OFFLOAD)
+
+    def prefetch(self):
+        raise NotImplementedError(_NO_PREFETCH)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All cached rows decoded: post-RoPE keys and values [B, H, T, D] in the model's dtype."""
@@ -199,7 +286,9 @@ class ArtifactLayer(CacheLayerMixin):
 
 
 class ArtifactCache(Cache):
-    """Cache(layers=[ArtifactLayer ...]) for `model.generate(..., past_key_values=cache)`."""
+    """Cache(layers=[ArtifactLayer ...]) for `model(..., cache=cache)` and `model.generate(..., cache=cache)`
+    (greedy, sampling, beam search). reset / reorder_cache / batch_select_indices / batch_repeat_interleave /
+    crop(0) work on every layer; crop(n != 0), offload and prefetch raise NotImplementedError naming them."""
 
     def __init__(self, policy: CachePolicy, model: torch.nn.Module):
         rotary = model.model.rotary_emb
@@ -213,23 +302,30 @@ class ArtifactCache(Cache):
 
         max_positions = int(model.config.max_position_embeddings)
         if len(policy.layers) != model.config.num_hidden_layers:
-            raise ValueError(f"artifact has {len(policy.layers)} layers, the model {model.config.num_hidden_layers}")
+            raise InputError(f"artifact has {len(policy.layers)} layers, the model {model.config.num_hidden_layers}")
         super().__init__(layers=[ArtifactLayer(i, policy, rope_fn, max_positions) for i in range(len(policy.layers))])
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def offload(self, layer_idx: int, only_non_sliding: bool = True):
+        raise NotImplementedError(_NO_OFFLOAD)
+
+    def prefetch(self, layer_idx: int, only_non_sliding: bool = True):
+        raise NotImplementedError(_NO_PREFETCH)
 
 
 def check_batch(attention_mask: torch.Tensor | None) -> None:
     """Rows of one batch must have equal lengths: positions (and so RoPE) are shared by the whole batch."""
     if attention_mask is not None and not bool(attention_mask.all()):
         lengths = attention_mask.sum(-1).tolist()
-        raise ValueError(f"ArtifactCache needs a batch of equal-length rows (no padding); got lengths {lengths}")
+        raise InputError(f"ArtifactCache needs a batch of equal-length rows (no padding); got lengths {lengths}")
 
 
 def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              **kwargs) -> tuple[torch.Tensor, ArtifactCache]:
-    """Greedy (or any) generation with the artifact's cache; refuses padded batches instead of mis-rotating them."""
+    """Generation (greedy, sampling, beam search) with the artifact's cache; refuses padded batches instead of
+    mis-rotating them."""
     check_batch(attention_mask)
     cache = ArtifactCache(policy, model)
     out = model.generate(input_ids, attention_mask=attention_mask, cache=cache, **kwargs)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from exporters.rope import apply_rope, rotary_tables
+from stages.base import InputError
 
 
 @dataclass
@@ -32,7 +33,7 @@ class CalibrationRows:
         """Indices of the rows that enter the fits (positions >= n_sink)."""
         keep = (self.res_pos >= self.n_sink).nonzero().flatten()
         if keep.numel() == 0:
-            raise ValueError(f"no reservoir rows left after excluding the first n_sink={self.n_sink} positions")
+            raise InputError(f"no reservoir rows left after excluding the first n_sink={self.n_sink} positions")
         return keep
 
 

@@ -18,7 +18,7 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from exporters.codec import ALLOWED_BITS, token_outlier_bounds
-from stages.base import StageResult
+from stages.base import InputError, StageResult
 from stages.calibration_rows import CalibrationRows
 from stages.codebooks_kmeans import kmeans_1d_exact, kmeans_1d_lloyd, weighted_sse
 
@@ -37,7 +37,7 @@ WEIGHTINGS = ("fisher-scale2", "fisher")
 
 def check_weighting(weighting: str) -> None:
     if weighting not in WEIGHTINGS:
-        raise ValueError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        raise InputError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
 def normalized_keys(k: torch.Tensor, zero, rng, lower, upper, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
     bits_list, scales, fraction, n_sink = inputs.bits, inputs.scales, inputs.fraction, inputs.rows.n_sink
     bad = [b for b in bits_list if b not in ALLOWED_BITS or b == 8]
     if bad:
-        raise ValueError(f"codebooks.bits must be in (2, 3, 4), got {bits_list}")
+        raise InputError(f"codebooks.bits must be in (2, 3, 4), got {bits_list}")
     check_weighting(cfg.weighting)
     r = inputs.rows
     if r.fisher_k is None or r.fisher_v is None:

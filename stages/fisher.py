@@ -18,7 +18,9 @@ from stages.hooks import attention_layers, forward_hooks
 
 @dataclass
 class FisherConfig:
-    enabled: bool = True
+    """Fisher has no options: it runs whenever a recipe needs calibrated codebooks, and how the codebooks use its
+    weights is chosen by codebooks.weighting (stages/codebooks.py). The dataclass stays, empty, for the one stage
+    signature fit(inputs, cfg, progress); `fisher.<key>=...` is refused as an unknown key."""
 
 
 @dataclass

@@ -30,6 +30,9 @@ def fit(inputs: Inputs, cfg: GateConfig) -> StageResult:
 
 
 def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None) -> dict:
+    """The perplexity ratio is always judged: an evaluation that lacks the recipe or its ppl_ratio raises
+    ValueError (stages.evaluate gives every recipe one, fp16 in eval.recipes or not, so this is a broken
+    invariant, never a pass). The cell maps and passkey accuracy are judged when given."""
     failures = []
     row = evaluation.get(recipe)
     if row is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from exporters.codec import MAX_OUTLIER_FRACTION
-from stages.base import StageResult, check_finite
+from stages.base import InputError, StageResult, check_finite
 from stages.calibration_rows import CalibrationRows
 
 
@@ -25,7 +25,7 @@ def fit(inputs: CalibrationRows, cfg: KeyScalesConfig) -> StageResult:
     """inputs.keys: [S, n_layers, H_kv, D] rows in the space the recipe quantizes."""
     f = cfg.outlier_fraction
     if not 0.0 <= f <= MAX_OUTLIER_FRACTION:
-        raise ValueError(f"outlier_fraction must be in [0, {MAX_OUTLIER_FRACTION}], got {f}")
+        raise InputError(f"outlier_fraction must be in [0, {MAX_OUTLIER_FRACTION}], got {f}")
     x = inputs.keys[inputs.kept()].float()
     for layer in range(x.shape[1]):
         check_finite(x[:, layer], f"calibration keys of layer {layer}")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exporters.codec import CachePolicy
-from stages.base import StageResult
+from stages.base import InputError, StageResult
 
 
 @dataclass
@@ -26,11 +26,11 @@ class Option:
 def choose(options: list[Option], budget: float) -> list[int]:
     """-> option index per layer (options sorted by bits, descending)."""
     if not options:
-        raise ValueError("layer_policy needs at least one option")
+        raise InputError("layer_policy needs at least one option")
     order = sorted(range(len(options)), key=lambda i: -options[i].bits)
     opts = [options[i] for i in order]
     if budget < opts[-1].bits:
-        raise ValueError(f"budget {budget} bits is below the cheapest option {opts[-1].name} ({opts[-1].bits:.3f} bits)")
+        raise InputError(f"budget {budget} bits is below the cheapest option {opts[-1].name} ({opts[-1].bits:.3f} bits)")
     n_layers = opts[0].kl.numel()
     level = [0] * n_layers
     avg = lambda: sum(opts[lv].bits for lv in level) / n_layers  # noqa: E731
@@ -55,7 +55,7 @@ def assemble(policies: list[CachePolicy], choice: list[int], name: str) -> Cache
     base = policies[0]
     for p in policies[1:]:
         if (p.key_rope, p.n_sink, p.residual) != (base.key_rope, base.n_sink, base.residual):
-            raise ValueError(f"mixed policy options must share key_rope / n_sink / residual: {base.name} vs {p.name}")
+            raise InputError(f"mixed policy options must share key_rope / n_sink / residual: {base.name} vs {p.name}")
     layers = [policies[c].layers[i] for i, c in enumerate(choice)]
     return CachePolicy(name=name, layers=layers, key_rope=base.key_rope, n_sink=base.n_sink, residual=base.residual,
                        smooth=base.smooth)

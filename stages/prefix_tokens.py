@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.base import StageResult
+from stages.base import InputError, StageResult
 from stages.hooks import attention_layers, attention_override, forward_hooks, sdpa_attention
 
 
@@ -50,14 +50,14 @@ class Inputs:
 
 def validate(cfg: PrefixConfig, top_k: int) -> None:
     if not cfg.eta > 1:
-        raise ValueError(f"prefix.eta must be > 1 (a ratio to the median), got {cfg.eta}")
+        raise InputError(f"prefix.eta must be > 1 (a ratio to the median), got {cfg.eta}")
     if not 0 <= cfg.max_tokens <= top_k:
-        raise ValueError(f"prefix.max_tokens must be in [0, traces.down_top_k={top_k}] (the traces keep the top "
+        raise InputError(f"prefix.max_tokens must be in [0, traces.down_top_k={top_k}] (the traces keep the top "
                          f"{top_k} tokens per sample and layer), got {cfg.max_tokens}")
     if cfg.n_tokens < -1:
-        raise ValueError(f"prefix.n_tokens must be -1 (discover) or >= 0, got {cfg.n_tokens}")
+        raise InputError(f"prefix.n_tokens must be -1 (discover) or >= 0, got {cfg.n_tokens}")
     if cfg.n_tokens > cfg.max_tokens:
-        raise ValueError(f"prefix.n_tokens={cfg.n_tokens} asks for a prefix longer than the cap "
+        raise InputError(f"prefix.n_tokens={cfg.n_tokens} asks for a prefix longer than the cap "
                          f"prefix.max_tokens={cfg.max_tokens}")
 
 
@@ -67,7 +67,7 @@ def discover(down_ratio: torch.Tensor, down_token: torch.Tensor, down_pos: torch
     top_k = down_ratio.shape[-1]
     validate(cfg, top_k)
     if bos_id is None:
-        raise ValueError("prefix: the tokenizer has no BOS token (bos_token_id is None), and the prefix ends in "
+        raise InputError("prefix: the tokenizer has no BOS token (bos_token_id is None), and the prefix ends in "
                          "BOS; use a recipe without quant.prefix for this model")
     outlier = down_ratio > cfg.eta                                    # [N, L, K]
     counts = outlier.sum(-1)                                          # [N, L]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.base import StageResult
+from stages.base import InputError, StageResult
 
 ROPE_PAIRINGS = ("rotate_half",)
 
@@ -42,7 +42,7 @@ def validate(cfg: SmoothConfig) -> None:
     for name in ("alpha", "beta"):
         value = getattr(cfg, name)
         if not 0.0 <= value <= 1.0:
-            raise ValueError(f"smooth.{name} must be in [0, 1], got {value}")
+            raise InputError(f"smooth.{name} must be in [0, 1], got {value}")
 
 
 def _pair_max(x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ def fit(inputs: Inputs, cfg: SmoothConfig) -> StageResult:
     q_absmax, k_absmax, rope_pairing = inputs.q_absmax, inputs.k_absmax, inputs.rope_pairing
     validate(cfg)
     if rope_pairing not in ROPE_PAIRINGS:
-        raise ValueError(f"smooth: RoPE pairing must be one of {ROPE_PAIRINGS}, got {rope_pairing!r}")
+        raise InputError(f"smooth: RoPE pairing must be one of {ROPE_PAIRINGS}, got {rope_pairing!r}")
     n_layers, n_q, d = q_absmax.shape
     n_kv = k_absmax.shape[1]
     if k_absmax.shape != (n_layers, n_kv, d) or n_q % n_kv or d % 2:

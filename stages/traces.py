@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from stages.base import StageResult, check_finite
+from stages.base import InputError, StageResult, check_finite
 from stages.hooks import attention_layers, attention_override, attention_scores, forward_hooks, sdpa_attention
 
 
@@ -88,7 +88,7 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
     """inputs.windows: [N, T] token ids. One window per forward keeps activation memory at one sequence."""
     model, spec, windows = inputs.model, inputs.spec, inputs.windows
     if cfg.reservoir_size < 1:
-        raise ValueError(f"traces.reservoir_size must be >= 1, got {cfg.reservoir_size}")
+        raise InputError(f"traces.reservoir_size must be >= 1, got {cfg.reservoir_size}")
     n_layers, n_kv, n_q, d = spec.n_layers, spec.n_kv_heads, spec.n_q_heads, spec.head_dim
     n_samples, seq_len = windows.shape
     n_first = min(cfg.n_first_positions, seq_len)

@@ -73,10 +73,10 @@ def calib(tiny, tiny_windows):
     return {"plain": out | channel_stats(k), "smooth": out | channel_stats(k / smooth[:, None, :, None, :])}
 
 
-@pytest.fixture
-def make_artifact(tmp_path, tiny, calib):
-    """recipe name -> an exported tiny-model artifact folder under tmp_path (the prefix K/V included when the
-    recipe has a prefix)."""
+@pytest.fixture(scope="session")
+def export_recipe(tiny, calib):
+    """(recipe name, folder[, evaluation]) -> the tiny model's artifact for that recipe written to the folder (the
+    prefix K/V included when the recipe has a prefix)."""
     from transformers import DynamicCache
 
     from exporters import manifest as mf
@@ -84,7 +84,7 @@ def make_artifact(tmp_path, tiny, calib):
     from pipeline.config import load_recipe
     from stages import recipe as recipe_stage
 
-    def make(recipe: str) -> Path:
+    def export(recipe: str, directory: Path, evaluation: dict | None = None) -> Path:
         q = load_recipe(recipe)
         pol = recipe_stage.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
         prefix = None
@@ -95,7 +95,48 @@ def make_artifact(tmp_path, tiny, calib):
                 tiny.model(ids[None], cache=cache)
             prefix = {"token_ids": ids.tolist(), "k": torch.stack([layer.keys[0] for layer in cache.layers]),
                       "v": torch.stack([layer.values[0] for layer in cache.layers])}
-        man, tensors = mf.build_manifest(pol, tiny.spec, {"data": {}}, {}, prefix=prefix)
-        return write_artifact(tmp_path / recipe, man, tensors)
+        man, tensors = mf.build_manifest(pol, tiny.spec, {"data": {}}, evaluation or {}, prefix=prefix)
+        return write_artifact(directory, man, tensors)
 
-    return make
+    return export
+
+
+@pytest.fixture
+def make_artifact(tmp_path, export_recipe):
+    """recipe name -> an exported tiny-model artifact folder under tmp_path."""
+    return lambda recipe: export_recipe(recipe, tmp_path / recipe)
+
+
+@pytest.fixture(scope="session")
+def forge():
+    """(folder, edit of the manifest dict, edit of the tensors dict, rebind) -> rewrites the artifact as a tool
+    that keeps every checksum valid would: the edited tensors re-hashed, the tensor file's sha256 re-made, the
+    manifest re-signed; with rebind the tensor file's header copy of the decoding fields follows the edit too.
+    So exactly the check under test is left to refuse the edit."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load, save
+
+    from exporters import manifest as mf
+    from exporters.checksums import sha256_bytes
+    from exporters.native import MANIFEST_FILE, tensor_file_metadata
+
+    def rewrite(path, edit=None, edit_tensors=None, rebind=False):
+        raw = (path / mf.TENSOR_FILE).read_bytes()
+        man, tensors, metadata = json.loads((path / MANIFEST_FILE).read_text()), load(raw), tensor_file_metadata(raw)
+        if edit:
+            edit(man)
+        if edit_tensors:
+            edit_tensors(tensors)
+            for name in set(tensors) & set(man["tensors"]):
+                man["tensors"][name]["sha256"] = sha256_bytes(tensors[name])
+        if rebind:
+            metadata = mf.bound_metadata(man)
+        raw = save(tensors, metadata=metadata)
+        (path / mf.TENSOR_FILE).write_bytes(raw)
+        man["tensor_file"]["sha256"] = hashlib.sha256(raw).hexdigest()
+        (path / MANIFEST_FILE).write_bytes(mf.serialize_manifest(man))
+        return path
+
+    return rewrite

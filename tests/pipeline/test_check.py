@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from exporters.checksums import sha256_file, sha256_tensor
 from exporters.native import load_artifact
 from pipeline.check import CheckConfig, run_check
 from pipeline.config import recipe_names
@@ -86,10 +84,10 @@ def _cli(args, cwd):
                           text=True, timeout=600)
 
 
-def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_artifact):
+def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_artifact, forge):
     """`python -m pipeline check DIR [contexts=..] [batches=..]`: EXIT_OK when it passes; a codebook whose levels
-    were permuted in the file (checksums re-made so only the content is wrong) is refused by the strict loader
-    (EXIT_USER)."""
+    were permuted in the file (checksums and digest re-made so only the content is wrong) is refused by the strict
+    loader (EXIT_USER)."""
     path = make_artifact("kvquant-4b-1pct")
     out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]"], tmp_path)
     assert out.returncode == EXIT_OK, out.stderr[-2000:]
@@ -99,13 +97,10 @@ def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_a
     with pytest.raises(UserError, match=r"each context must be in \[1, 4095\]"):
         run_check(path, tiny, CheckConfig(contexts=[4096]), log=quiet)
 
-    tensors = load_file(str(path / "tensors.safetensors"))
-    tensors["layers.0.key.codebook"] = tensors["layers.0.key.codebook"].flip(0).contiguous()
-    save_file(tensors, str(path / "tensors.safetensors"))
-    man = manifest_of(path)
-    man["tensors"]["layers.0.key.codebook"]["sha256"] = sha256_tensor(tensors["layers.0.key.codebook"])
-    man["tensor_file"]["sha256"] = sha256_file(path / "tensors.safetensors")
-    (path / "manifest.json").write_text(json.dumps(man))
+    def permute(tensors):
+        tensors["layers.0.key.codebook"] = tensors["layers.0.key.codebook"].flip(0).contiguous()
+
+    forge(path, edit_tensors=permute)
     out = _cli([str(path), "contexts=[32]", "batches=[1]"], tmp_path)
     assert out.returncode == EXIT_USER and "codebook must be finite and strictly increasing" in out.stderr
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import EXIT_USER
+import pipeline.errors as errors
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_USER
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
@@ -44,11 +45,16 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("data=local", "data.path"),
     ("quant.value.format=fp16", "quant.value.axis for format fp16 must be one of ('tensor',), got 'token'"),
     ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher'), got 'mse'"),
+    ("quant.key.bits=5", "quant.key.bits must be one of (2, 3, 4, 8), got 5"),       # an invalid recipe
+    ("eval.recipes=[nope]", "quant recipe must be one of ["),
+    ("fisher.enabled=false", "Key 'enabled' not in 'FisherConfig'"),                 # the field that did nothing
+    ("+fisher.enabled=false", "fisher.enabled (fisher takes no keys)"),             # Hydra adds it; the schema refuses
+    ("+model.bogus=1", "model.bogus (model takes name, source, path,"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, pattern):
     out = _run(["run", *TINY, override], tmp_path)
-    assert out.returncode != 0
-    assert pattern in out.stderr + out.stdout
+    assert out.returncode == EXIT_USER, out.stderr[-2000:]
+    assert pattern in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / ".kvcalib_cache").exists() or not any((tmp_path / ".kvcalib_cache").rglob("*.safetensors"))
 
 
@@ -79,3 +85,73 @@ def test_embedded_model_end_to_end(tmp_path):
     summary = json.loads((results / "summary.json").read_text())
     assert summary["model"]["n_layers"] == 30 and summary["model"]["n_kv_heads"] == 3
     assert summary["stage_meta"]["traces"]["n_tokens"] == 256
+
+
+def _table(text: str) -> list[str]:
+    """The exit-code table's lines: the header `| code | name | meaning |` and the rows under it."""
+    lines = text.splitlines()
+    start = lines.index("| code | name | meaning |")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def test_exit_codes_are_one_table():
+    """pipeline/errors.py's docstring and README.md hold the same table, and it is the module's constants."""
+    doc, readme = _table(errors.__doc__), _table((ROOT / "README.md").read_text())
+    assert doc == readme
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in doc[2:]]
+    table = {name.strip("`"): int(code) for code, name, _ in rows}
+    constants = {name: getattr(errors, name) for name in dir(errors) if name.startswith("EXIT_")}
+    assert table == constants and len(set(table.values())) == len(table)
+    assert constants["EXIT_INTERNAL"] not in (constants["EXIT_USER"], constants["EXIT_CHECK_FAILED"])
+
+
+def _run_planted(patch: str, args, tmp_path):
+    """`python -m pipeline ARGS` with PATCH applied first (a planted fault), as a process."""
+    script = tmp_path / "planted.py"
+    script.write_text(f"import sys\n{patch}\nfrom pipeline.cli import main\nmain(sys.argv[1:])\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+QUICK = [*TINY, "quant=int4-token", "eval.enabled=false", "gate.enabled=false", "check.contexts=[16]",
+         "check.gpu_contexts=[16]", "check.batches=[1]"]
+
+
+def test_a_failed_runtime_check_exits_1_under_run(tmp_path):
+    """The kernel made wrong by 1%: the run exports, checks, records the failure and exits EXIT_CHECK_FAILED."""
+    patch = ("import runtime_check.triton_attention as t\nreal = t.decode_attention\n"
+             "t.decode_attention = lambda inp, **kw: real(inp, **kw) * 1.01")
+    out = _run_planted(patch, ["run", *QUICK], tmp_path)
+    assert out.returncode == EXIT_CHECK_FAILED, out.stderr[-2000:]
+    assert "runtime check failed for" in out.stderr and "Traceback" not in out.stderr
+    (manifest,) = tmp_path.glob("outputs/*/*/artifact/manifest.json")
+    assert json.loads(manifest.read_text())["runtime_check"]["status"] == "failed"
+
+
+@pytest.mark.parametrize("raised", ["RuntimeError('planted bug')", "ValueError('planted broken invariant')"])
+def test_an_unexpected_error_exits_internal(tmp_path, raised):
+    """Neither a user error (2) nor a failed check (1): its own code, with the traceback. A plain ValueError is a
+    broken invariant, not bad input (bad input raises InputError / UserError)."""
+    patch = f"import pipeline.app\ndef boom(*a, **k):\n    raise {raised}\npipeline.app.run_pipeline = boom"
+    out = _run_planted(patch, ["run", *TINY], tmp_path)
+    assert out.returncode == EXIT_INTERNAL, out.stderr[-2000:]
+    assert "Traceback" in out.stderr and "internal error (a bug, not bad input)" in out.stderr
+    assert "planted" in out.stderr
+
+
+def test_check_and_show_exit_internal_on_a_bug(tmp_path, monkeypatch, capsys):
+    import pipeline.check
+    from pipeline.cli import main
+
+    def boom(*a, **k):
+        raise KeyError("planted")
+
+    monkeypatch.setattr(pipeline.check, "run_check", boom)
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", str(tmp_path)])
+    assert exit_.value.code == EXIT_INTERNAL and "KeyError: 'planted'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # and the strict loader's refusal stays bad input
+        main(["show", str(tmp_path)])
+    assert exit_.value.code == EXIT_USER

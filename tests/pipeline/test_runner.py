@@ -1,8 +1,11 @@
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
 
-from pipeline.runner import Runner, Stage, StageCache
+from pipeline.locks import HOST_ID
+from pipeline.runner import RESULT_LIBRARIES, Runner, Stage, StageCache, code_identity
 from stages.base import StageResult
 
 
@@ -63,17 +66,51 @@ def test_crash_leftovers_are_never_read(tmp_path):
     runner = Runner(tmp_path, "m", "d", log=lambda s: None, show_progress=False)
     runner.run(_graph(calls, Knob(), Knob()))
     key_a = runner.keys["a"]
-    # a run killed while writing leaves a temporary folder: it is removed, never read
-    leftover = tmp_path / "a" / f".tmp-{key_a}-deadbeef"
+    # a run killed while writing leaves a temporary folder named after its pid: the process is gone, so the
+    # folder is removed, never read
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = tmp_path / "a" / f".tmp-{key_a}-deadbeef-{dead.pid}@{HOST_ID}"
     leftover.mkdir()
     (leftover / "meta.json").write_text("{")
-    # a damaged entry (tensor file truncated) is detected by its checksum and recomputed
+    # a damaged entry (tensor file truncated) is detected by its checksum, said so, and recomputed
     tensors = tmp_path / "b" / runner.keys["b"] / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:20])
     calls.clear()
-    out = Runner(tmp_path, "m", "d", log=lambda s: None, show_progress=False).run(_graph(calls, Knob(), Knob()))
+    logs = []
+    out = Runner(tmp_path, "m", "d", log=logs.append, show_progress=False).run(_graph(calls, Knob(), Knob()))
     assert calls == ["b"] and not leftover.exists()
     assert torch.equal(out["b"].tensors["y"], torch.arange(4.0) + 1.0)
+    assert any("removed 1 unfinished cache entry" in line for line in logs), logs
+    assert any(f"cache: entry b {runner.keys['b'][:12]} is damaged" in line for line in logs), logs
+
+
+def test_code_identity_covers_sources_and_library_versions(monkeypatch):
+    import importlib.metadata
+
+    import pipeline.runner as runner_mod
+
+    assert {"torch", "transformers", "safetensors"} <= set(RESULT_LIBRARIES)
+    before = code_identity()
+    real = importlib.metadata.version
+    monkeypatch.setattr(runner_mod.importlib.metadata, "version",
+                        lambda name: "0.0-upgraded" if name == "torch" else real(name))
+    assert code_identity() != before  # a torch upgrade invalidates every entry
+    monkeypatch.undo()
+    assert code_identity() == before
+
+
+def test_a_stage_and_its_store_are_run_under_the_entry_lock(tmp_path):
+    seen = []
+
+    def fn(inputs, progress):
+        seen.append(sorted(p.name for p in (tmp_path / "a").glob(".lock-*")))
+        return StageResult({"x": torch.zeros(1)}, {})
+
+    runner = Runner(tmp_path, "m", "d", log=lambda s: None, show_progress=False)
+    runner.run([Stage("a", fn, {})])
+    assert seen == [[f".lock-{runner.keys['a']}"]]  # held while computing
+    assert not list((tmp_path / "a").glob(".lock-*"))  # released after the store
 
 
 def test_store_is_atomic_when_the_write_fails(tmp_path, monkeypatch):

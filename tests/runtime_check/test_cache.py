@@ -117,3 +117,128 @@ def test_refusals(tiny):
     too_long = tiny.spec.max_positions + 1
     with pytest.raises(ValueError, match=f"would hold {too_long} tokens, more than the model's"):
         cache.layers[0].update(torch.zeros(1, 2, too_long, 16), torch.zeros(1, 2, too_long, 16))
+
+
+def _filled(policy, model, k, v, steps=()):
+    """An ArtifactCache fed K/V [B, H, T, D] per layer directly (as the attention layers hand them over), then
+    each (k, v) of `steps` as further updates."""
+    cache = ArtifactCache(policy, model)
+    for layer in cache.layers:
+        layer.update(k, v)
+        for sk, sv in steps:
+            layer.update(sk, sv)
+    return cache
+
+
+def _stored(layer):
+    """Everything a layer stores, by name."""
+    out = {"cumulative_length": layer.cumulative_length}
+    for name in ("sink", "recent"):
+        pair = getattr(layer, name)
+        if pair is not None:
+            out[f"{name}.k"], out[f"{name}.v"] = pair
+    for name in ("k_block", "v_block"):
+        block = getattr(layer, name)
+        if block is not None:
+            out[f"{name}.shape"] = block.shape
+            out.update({f"{name}.{k}": t for k, t in block.tensors.items()})
+    return out
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8) if x.element_size() == 1 else x,
+                                                      y.view(torch.uint8) if y.element_size() == 1 else y), name
+        else:
+            assert x == y, name
+
+
+@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head"])
+def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which):
+    """reorder_cache(idx) (beam search) == the cache that was fed the batch x[idx]: codes, scales, zero-points,
+    sparse outliers, fp8 bytes, fp16 sink and residual rows all follow their sequence, and the next updates
+    continue it alike."""
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    policy = {
+        "kvquant-outliers": kvquant_policy(spec.n_layers, h, d, residual=3),
+        "kivi-groups": CachePolicy("kivi", [(TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
+                                             TensorPolicy(format="uniform", bits=2, axis="token"))] * spec.n_layers,
+                                   n_sink=2, residual=8),
+        "fp8-head": CachePolicy("fp8", [(TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((h,), 0.01)),
+                                         TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((h,), 0.02)))]
+                                * spec.n_layers, n_sink=1),
+    }[which]
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, h, 23, d, generator=g), torch.randn(3, h, 23, d, generator=g)
+    idx = torch.tensor([2, 0, 0])  # a reordering with a repeat, as beam search makes them
+    cache = _filled(policy, tiny.model, k, v)
+    before = [layer.materialize() for layer in cache.layers]
+    cache.reorder_cache(idx)
+    expected = _filled(policy, tiny.model, k[idx], v[idx])
+    if which == "kvquant-outliers":
+        assert expected.layers[0].k_block.tensors["outlier_value"].numel() > 0  # the outlier path is exercised
+    for got, want, (bk, bv) in zip(cache.layers, expected.layers, before):
+        _same(_stored(got), _stored(want))
+        mk, mv = got.materialize()
+        assert torch.equal(mk, bk[idx]) and torch.equal(mv, bv[idx])
+    steps = [(torch.randn(3, h, n, d, generator=g), torch.randn(3, h, n, d, generator=g)) for n in (1, 1, 5)]
+    for sk, sv in steps:  # decoding goes on from the reordered rows, flushes included
+        for layer in cache.layers:
+            layer.update(sk, sv)
+    for got, want in zip(cache.layers, _filled(policy, tiny.model, k[idx], v[idx], steps).layers):
+        _same(_stored(got), _stored(want))
+    cache.batch_select_indices(torch.tensor([1]))  # the generation API's other batch edits take the same path
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].materialize()[0].shape[0] == 2
+    assert torch.equal(cache.layers[0].materialize()[0][1], cache.layers[0].materialize()[0][0])
+
+
+def test_beam_search_through_the_cache(tiny):
+    """generate(num_beams=2) through an fp16 ArtifactCache gives the tokens of the model's own DynamicCache; a
+    quantized cache runs beam search too."""
+    # seed, beams and length where the beams do swap: ignoring reorder_cache changes these tokens
+    ids = torch.randint(0, 40000, (2, 20), generator=torch.Generator().manual_seed(2))
+    kw = {"max_new_tokens": 12, "do_sample": False, "num_beams": 3}
+    ref = tiny.model.generate(ids, **kw)
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers, key_rope="pre", n_sink=1)
+    out, cache = generate(tiny.model, pol, ids, **kw)
+    assert torch.equal(out, ref)
+    spec = tiny.spec
+    quant, qcache = generate(tiny.model, kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim, residual=4),
+                             ids, **kw)
+    assert quant.shape == ref.shape and qcache.layers[0].materialize()[0].shape[0] == 2 * 3  # batch x beams
+
+
+def test_reset_empties_the_cache_for_reuse(tiny):
+    spec = tiny.spec
+    pol = kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim, residual=4)
+    ids = torch.randint(0, 40000, (1, 20), generator=torch.Generator().manual_seed(1))
+    fresh = ArtifactCache(pol, tiny.model)
+    first = tiny.model.generate(ids, cache=fresh, max_new_tokens=6, do_sample=False)
+    empty_bytes = ArtifactCache(pol, tiny.model).nbytes()  # the static tensors only
+    assert fresh.get_seq_length() > 0 and fresh.nbytes() > empty_bytes
+    fresh.reset()
+    assert fresh.get_seq_length() == 0 and fresh.nbytes() == empty_bytes
+    assert all(layer.sink is None and layer.recent is None and layer.k_block is None for layer in fresh.layers)
+    assert fresh.layers[0].policy is pol  # the policy stays
+    again = tiny.model.generate(ids, cache=fresh, max_new_tokens=6, do_sample=False)
+    assert torch.equal(again, first)
+
+
+def test_what_the_cache_cannot_do_is_refused_by_name(tiny):
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers, n_sink=1)
+    cache = ArtifactCache(pol, tiny.model)
+    with torch.no_grad():
+        tiny.model(torch.randint(0, 40000, (1, 8)), cache=cache)
+    with pytest.raises(NotImplementedError, match=r"ArtifactCache\.offload: not implemented"):
+        cache.offload(0)
+    with pytest.raises(NotImplementedError, match=r"ArtifactCache\.prefetch: not implemented"):
+        cache.prefetch(0)
+    with pytest.raises(NotImplementedError, match=r"ArtifactCache\.crop\(-2\): not implemented"):
+        cache.crop(-2)
+    cache.crop(0)  # what generation calls between steps: nothing to remove
+    assert cache.get_seq_length() == 8 and not cache.is_croppable

@@ -49,6 +49,16 @@ def test_tolerance_states_each_term():
     assert "cos/sin" not in plain and "lambda" not in plain and f"rtol={RTOL:g}" in plain
 
 
+def test_tolerance_reason_states_the_rule_not_a_measurement():
+    """The reason goes into every manifest whatever was measured: rule and rationale only, no figures observed
+    on some model; measurements live in max_abs_err / max_rel_err / cases."""
+    layer = {"key": {"format": "nuq"}, "value": {"format": "nuq"}}
+    _, reason = tolerance({"layers": [layer], "cache": {"key_rope": "pre", "smoothing": False}})
+    for claim in ("observed", "measured on", "SmolLM2", "tiny", "<="):
+        assert claim not in reason, claim
+    assert "max_abs_err, max_rel_err and cases" in reason  # where the measured values are
+
+
 @pytest.mark.parametrize("recipe", ["int4-token", "kvquant-3b-1pct+prefix"])
 def test_record_gives_the_decode_step_of_every_layer(tiny, make_artifact, recipe):
     policy, ids, prefix = _case(tiny, make_artifact(recipe), 40, 2)

@@ -1,0 +1,151 @@
+"""Each cross-check of docs/manifest.md ("a consumer must refuse when ..."): an edit that keeps every checksum
+and the digest valid (the forge fixture) is refused with its own error class, and the message names the field,
+what is allowed and what was given."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from exporters import manifest as mf
+from exporters.native import load_artifact
+
+PREFIXED = "kvquant-3b-1pct+smooth+prefix"
+
+
+def _set(path, value):
+    """An edit of the manifest dict: the field at path ("a/b/0/c") set to value, or deleted when value is DELETE."""
+    def edit(m):
+        *head, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+        for p in head:
+            m = m[p]
+        if value is DELETE:
+            del m[last]
+        else:
+            m[last] = value
+    return edit
+
+
+DELETE = object()
+
+
+@pytest.mark.parametrize("recipe,path,value,error,message", [
+    (PREFIXED, "layers/0/key/outliers/rule", "none", mf.OutlierRuleError,
+     r"layers/0/key/outliers/rule: .* allowed 'static_channel_bounds', got 'none'"),
+    (PREFIXED, "layers/1/value/outliers/rule", "static_channel_bounds", mf.OutlierRuleError,
+     r"allowed 'per_token_quantile', got 'static_channel_bounds'"),
+    (PREFIXED, "layers/0/value/outliers/fraction", 0.0, mf.OutlierRuleError, r"allowed 'none', got 'per_token_quantile'"),
+    ("fp8-e4m3", "layers/0/key/outliers/fraction", 0.01, mf.OutlierRuleError,
+     r"layers/0/key/outliers/fraction: format fp8 stores no sparse outliers; allowed 0, got 0.01"),
+    ("kvquant-3b", "layers/0/key/outliers/expected_fraction", 0.01, mf.OutlierRuleError,
+     r"expected_fraction: allowed only when outliers are stored"),
+    (PREFIXED, "layers/0/key/zero_point", "min", mf.ZeroPointError,
+     r"layers/0/key/zero_point: format nuq allows 'midpoint', got 'min'"),
+    ("kivi-2", "layers/1/value/zero_point", "none", mf.ZeroPointError, r"format uniform allows 'min', got 'none'"),
+    ("fp8-e4m3", "layers/0/value/zero_point", "midpoint", mf.ZeroPointError, r"format fp8 allows 'none'"),
+    (PREFIXED, "layers/0/key/zero_point", DELETE, mf.SchemaError, r"'zero_point' is a required property"),
+    ("fp8-e4m3", "layers/0/key/fp8_dtype", DELETE, mf.Fp8DtypeError,
+     r"layers/0/key/fp8_dtype: format fp8 allows one of \['e4m3', 'e5m2'\], got '\(absent\)'"),
+    ("kivi-2", "layers/0/key/fp8_dtype", "e4m3", mf.Fp8DtypeError, r"format uniform allows no fp8_dtype field"),
+    ("fp8-e4m3", "layers/0/key/bits", 4, mf.QuantFieldError, r"layers/0/key/bits: format fp8 allows \[8\], got 4"),
+    ("kivi-2", "layers/0/key/group_size", 0, mf.QuantFieldError,
+     r"group_size: format uniform with axis channel allows an integer >= 1 .*, got 0"),
+    ("kivi-2", "layers/0/value/group_size", 32, mf.QuantFieldError, r"axis token allows 0 .*, got 32"),
+    ("fp8-e4m3", "layers/0/key/axis", "token", mf.QuantFieldError, r"axis: format fp8 allows \['tensor', 'head'\]"),
+    (PREFIXED, "layers/0/key/tensors/zero", "layers.1.key.zero", mf.TensorRefError,
+     r"layers/0/key/tensors: .* allow exactly .*'zero': 'layers.0.key.zero'"),
+    (PREFIXED, "layers/0/value/tensors/lower", "layers.0.key.lower", mf.TensorRefError, r"layers/0/value/tensors"),
+    (PREFIXED, "cache/smoothing/tensor", "prefix.k", mf.TensorRefError, r"cache/smoothing: allowed \{'tensor': 'smooth'\}"),
+])
+def test_a_field_that_contradicts_another_is_refused(make_artifact, forge, recipe, path, value, error, message):
+    artifact = make_artifact(recipe)
+    forge(artifact, _set(path, value), rebind=True)
+    with pytest.raises(error, match=message):
+        load_artifact(artifact)
+
+
+@pytest.mark.parametrize("path,value,message", [
+    ("cache/n_sink", 0, r"manifest field cache/n_sink is 0, but tensors.safetensors .* was written for 1"),
+    ("cache/residual", 128, r"cache/residual is 128"),
+    ("cache/key_rope", "post", r"cache/key_rope is 'post'"),
+    ("layers/1/value/outliers/fraction", 0.02, r"layers/1/value/outliers/fraction is 0.02"),
+    ("layers/0/key/bits", 4, r"layers/0/key/bits is 4"),
+    ("model/rope/theta", 500000.0, r"model/rope/theta is 500000.0"),
+    ("model/max_positions", 8192, r"model/max_positions is 8192"),
+    ("cache/prefix/token_ids/0", 7, r"cache/prefix/token_ids/0 is 7"),
+    ("recipe", "kvquant-4b-1pct", r"recipe is 'kvquant-4b-1pct'"),
+])
+def test_a_decoding_field_must_match_the_tensor_file_header(make_artifact, forge, path, value, message):
+    """What binds n_sink and the other decoding fields: the copy written into the tensor file's header at export
+    (covered by tensor_file.sha256). A tool that edits manifest.json and re-signs its digest is refused."""
+    artifact = make_artifact(PREFIXED)
+    forge(artifact, _set(path, value))
+    with pytest.raises(mf.BindingError, match=message):
+        load_artifact(artifact)
+
+
+def test_the_prefix_ids_must_match_the_prefix_tensor(make_artifact, forge, tiny):
+    artifact = make_artifact(PREFIXED)
+    with pytest.raises(mf.ModelMismatchError, match=r"the model given has 1 tokens, got id 1"):
+        load_artifact(artifact, replace(tiny.spec, vocab_size=1))
+    forge(artifact, _set("cache/prefix/token_ids/0", 7), rebind=True)  # header rewritten too: the tensor disagrees
+    with pytest.raises(mf.PrefixError, match=r"cache/prefix/token_ids \[7.*\] differ from the prefix.ids tensor"):
+        load_artifact(artifact)
+    artifact = make_artifact("kvquant-3b-1pct+prefix")
+
+    def other_ids(t):
+        t["prefix.ids"] = t["prefix.ids"] + 1
+
+    forge(artifact, edit_tensors=other_ids)
+    with pytest.raises(mf.PrefixError, match="differ from the prefix.ids tensor"):
+        load_artifact(artifact)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_theta", 500000.0), ("rope_scaling", json.dumps({"rope_type": "linear", "factor": 2.0})),
+    ("rope_pairing", "interleaved"), ("max_positions", 8192), ("architecture", "MistralForCausalLM"),
+    ("n_q_heads", 8), ("bos_token_id", 0), ("tokenizer_sha256", "e" * 64),
+])
+def test_the_served_model_must_be_the_calibrated_one(make_artifact, tiny, field, value):
+    artifact = make_artifact(PREFIXED)
+    load_artifact(artifact, tiny.spec)
+    with pytest.raises(mf.ModelMismatchError, match=r"calibrated for model tiny with .*; the model given has"):
+        load_artifact(artifact, replace(tiny.spec, **{field: value}))
+
+
+def test_the_check_and_gate_records_must_support_their_status(make_artifact, forge, records):
+    artifact = make_artifact("int4-token")
+    rc, gate = records["runtime_check"], records["gate"]
+    bad_case = {**rc["cases"][0], "ok": False}
+    for edit, error, message in [
+        (lambda m: m.update(runtime_check={**rc, "cases": [bad_case]}), mf.RecordError,
+         r"runtime_check/status: 1 cases, 1 not ok, no error allow 'failed', got 'passed'"),
+        (lambda m: m.update(runtime_check={**rc, "cases": []}), mf.RecordError, r"0 cases, 0 not ok"),
+        (lambda m: m.update(runtime_check={**rc, "error": "kernel raised"}), mf.RecordError, r"an error allow 'failed'"),
+        (lambda m: m.update(runtime_check={**rc, "max_abs_err": 0.0}), mf.RecordError,
+         r"runtime_check/max_abs_err: the maximum over cases is 1.5e-06, got 0.0"),
+        (lambda m: m.update(runtime_check={**rc, "cases": [{**rc["cases"][0], "ok": "yes"}]}), mf.SchemaError,
+         r"runtime_check"),
+        (lambda m: m.update(runtime_check={**rc, "status": True}), mf.SchemaError, r"runtime_check"),
+        (lambda m: m.update(runtime_check={**rc, "verdict": "fine"}), mf.SchemaError, r"runtime_check"),
+        (lambda m: m.update(gate={**gate, "passed": True}), mf.RecordError, r"gate/passed: 1 failures allow False"),
+        (lambda m: m.update(gate={**gate, "passed": "no"}), mf.SchemaError, r"gate"),
+        (lambda m: m.update(evaluation={"int4-token": {**records["evaluation"]["int4-token"], "ppl": "21.5"}}),
+         mf.SchemaError, r"evaluation/int4-token/ppl"),
+        (lambda m: m.update(evaluation={"int4-token": {"ppl_ratio_ci95": [1.0]}}), mf.SchemaError, r"ppl_ratio_ci95"),
+        (lambda m: m.update(evaluation={"int4-token": {"perplexity": 2.0}}), mf.SchemaError, r"evaluation/int4-token"),
+        (lambda m: m["calibration"].update(data={"n_samples": "8"}), mf.SchemaError, r"calibration/data/n_samples"),
+    ]:
+        forge(artifact, edit)
+        with pytest.raises(error, match=message):
+            load_artifact(artifact)
+        forge(artifact, lambda m: (m.update(runtime_check=rc, gate=gate, evaluation=records["evaluation"]),
+                                   m["calibration"].update(data={})))
+        load_artifact(artifact)
+
+
+def test_a_repeated_member_name_is_refused(make_artifact):
+    artifact = make_artifact("int4-token")
+    text = (artifact / "manifest.json").read_text()
+    (artifact / "manifest.json").write_text(text.replace('"n_sink": 0,', '"n_sink": 0, "n_sink": 4,'))
+    with pytest.raises(mf.SchemaError, match=r"repeats member names \['n_sink'\]"):
+        load_artifact(artifact)
