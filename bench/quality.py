@@ -4,6 +4,8 @@ Protocol: calibrate on wikitext-2 valid.txt (16 windows x 1024 tokens, seed 0), 
 consecutive non-overlapping 1024-token windows of test.txt. Every quantized recipe is evaluated under 4
 perturbation seeds (relative noise 1e-5 on the K/V entering the cache, stages.evaluate.Perturbation); the
 perplexity ratio to fp16 on the same windows is printed with a 95% bootstrap interval over windows and seeds.
+Beside our recipes: the formats serving engines ship (PEERS, docs/peer-formats.md), each with the best calibrated
+recipe at equal or fewer bits and whether their intervals are apart.
 
 python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samples 16]
 """
@@ -17,9 +19,15 @@ from bench.common import wikitext_dir, write_json
 from pipeline.app import run_pipeline
 from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, load_recipe, recipe_names
 from stages.evaluate import table
+from stages.recipe import is_exportable_recipe
 
-RECIPES = ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2", "kvquant-4b", "kvquant-4b-1pct", "kvquant-3b",
-           "kvquant-3b-1pct", "kvquant-2b", "kvquant-2b-1pct"]
+CALIBRATED = ["kvquant-4b", "kvquant-4b-1pct", "kvquant-3b", "kvquant-3b-1pct", "kvquant-2b", "kvquant-2b-1pct"]
+# what serving engines ship, needing no calibration (docs/peer-formats.md): vLLM 0.32's cache dtypes re-implemented,
+# transformers' QuantizedCache run as the library
+PEERS = ["vllm-int8-per-token-head", "vllm-fp8-per-token-head", "vllm-int4-per-token-head", "vllm-turboquant-k8v4",
+         "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc", "vllm-turboquant-3bit-nc", "hf-hqq-4", "hf-hqq-2"]
+OURS = ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2"] + CALIBRATED
+RECIPES = OURS + PEERS
 
 
 def pareto_report(recipes: dict[str, dict]) -> list[str]:
@@ -35,6 +43,26 @@ def pareto_report(recipes: dict[str, dict]) -> list[str]:
         verdict = "on the frontier" if not dominators else "dominated by " + ", ".join(dominators) + (
             f" (intervals apart: {', '.join(clear) or 'none'})")
         lines.append(f"{name}: {verdict}")
+    return lines
+
+
+def peer_report(recipes: dict[str, dict]) -> list[str]:
+    """For each peer format: the best calibrated recipe at equal or fewer average bits, and whether it beats the
+    peer with non-overlapping 95% intervals."""
+    lines = []
+    for peer in (n for n in PEERS if n in recipes):
+        r = recipes[peer]
+        ours = {n: recipes[n] for n in CALIBRATED if n in recipes and recipes[n]["avg_bits"] <= r["avg_bits"]}
+        if not ours:
+            lines.append(f"{peer} ({r['avg_bits']:.3f} bits): no calibrated recipe at <= its bits in this run")
+            continue
+        best = min(ours, key=lambda n: ours[n]["ppl_ratio"])
+        (b_lo, b_hi), (p_lo, p_hi) = ours[best]["ppl_ratio_ci95"], r["ppl_ratio_ci95"]
+        verdict = ("ours better, intervals apart" if b_hi < p_lo else "peer better, intervals apart" if p_hi < b_lo
+                   else "intervals overlap")
+        lines.append(f"{peer} ({r['avg_bits']:.3f} bits) ppl/fp16 {r['ppl_ratio']:.4f} [{p_lo:.4f}, {p_hi:.4f}] vs "
+                     f"{best} ({ours[best]['avg_bits']:.3f} bits) {ours[best]['ppl_ratio']:.4f} [{b_lo:.4f}, "
+                     f"{b_hi:.4f}]: {verdict}")
     return lines
 
 
@@ -82,7 +110,8 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
         data=DataConfig(name="wikitext-2-dev" if args.dev else "wikitext-2", source="local", path=str(path),
                         n_samples=args.n_samples, seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples,
                         eval_seq_len=args.seq_len),
-        quant=load_recipe(names[0]), cache_dir=args.cache_dir,
+        quant=load_recipe(next((n for n in names if is_exportable_recipe(load_recipe(n))), "fp16")),
+        cache_dir=args.cache_dir,
         eval=EvalConfig(recipes=names, perturb_seeds=list(range(1, args.perturb_seeds + 1)),
                         perturb_scale=args.perturb_scale))
     if args.codebook_weighting:
@@ -113,7 +142,7 @@ def main() -> None:
     print(f"calibration wall (traces + fisher + key scales + outliers + codebooks): {summary['calib_wall_s']:.1f} s")
     for r in out["runner"].records:
         print(f"  {r.name:<28} {r.status:<9} {r.wall_s:7.1f} s")
-    for line in pareto_report(recipes) + target_report(recipes):
+    for line in pareto_report(recipes) + target_report(recipes) + peer_report(recipes):
         print(line)
     sse = {k: v for k, v in summary["stage_meta"].items() if k.startswith("codebooks")}
     for stage, meta in sse.items():

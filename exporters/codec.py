@@ -18,6 +18,28 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
     and the dense part sees them as inliers clamped to the bound. Keys: static per-channel bounds from
     calibration. Values: per token over all KV heads, bounds at the f/2 and 1 - f/2 quantiles of that token.
 - fp8 (e4m3 / e5m2): x^ = float8(x / s) * s with s per tensor (scalar) or per head ([H]), s = amax / fp8_max.
+    axis="token" (vLLM fp8_per_token_head): s = max(amax / fp8_max, 1e-6) per (token, head), kept in fp32,
+    x^ = float8(clamp(x * (1 / s), +-fp8_max)) * s.  axis="unscaled" (vLLM turboquant_k8v4 keys): x^ =
+    float8(clamp(x, +-fp8_max)), no scale.
+
+Evaluation-only formats: vLLM 0.32's calibration-free caches (docs/peer-formats.md). The codec encodes and
+sizes them so they are evaluated like our recipes; the manifest, the Triton kernel and the serving cache do not
+take them (EXPORT_AXES), and a run refuses them as its own recipe. All per (token, head) over the D channels:
+- int_sym (vLLM int8_per_token_head; b = 4 or 8, qmax = 2^(b-1) - 1): s = max(amax / qmax, 1e-6) in fp32,
+    code = clamp(round_half_away(x * (1 / s)), -qmax - 1, qmax) (int8), x^ = code * s.
+- rht_int (vLLM int4_per_token_head; b = 4): y = fp16(H_b (d * x)) (exporters/rotation.py: unnormalized
+    randomized Hadamard; the rotated row is rounded to the cache's input dtype), s = max((max y - min y) / 15,
+    1e-6) in fp32, zp = clamp(round_half_away(-min y / s), 0, 15), code = clamp(round_half_away(y * (1 / s) + zp),
+    0, 15). Stored: one fp32 whose 4 low mantissa bits are replaced by zp; decode reads zp from those bits and
+    the truncated scale s' = s with them zeroed: y^ = s' (code - zp), x^ = d * (H_b y^) / b.
+- turbo_mse (TurboQuant MSE keys; b = 3 or 4): n = |x| (stored fp16), u = (H_D / sqrt(D)) (x / (n + 1e-8)),
+    code = #{midpoints <= u} (bucketize, ties up) over the Lloyd-Max levels c for N(0, 1/D)
+    (exporters/lloyd_max.py, derived from (b, D), never calibrated). Decode: v = c[code], with norm correction
+    v = v / sqrt(sum v^2 + 1e-16); x^ = (H_D / sqrt(D)) (fp16(n) v). D must be a power of two.
+- turbo_uniform (TurboQuant values; b = 3 or 4): s = max((max - min) / (2^b - 1), 1e-8) and min in fp32,
+    code = clamp(floor((x - min) / s + 0.5), 0, 2^b - 1) (round half up), x^ = code * fp16(s) + fp16(min): the
+    codes use the fp32 scale and min, decode their fp16 copies (unlike `uniform`, which codes with the fp16 ones
+    and rounds half to even).
 """
 from __future__ import annotations
 
@@ -25,10 +47,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-FORMATS = ("fp16", "uniform", "nuq", "fp8")
-AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"), "fp8": ("tensor", "head")}
+from exporters import lloyd_max, rotation
+
+FORMATS = ("fp16", "uniform", "nuq", "fp8", "int_sym", "rht_int", "turbo_mse", "turbo_uniform")
+AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"),
+        "fp8": ("tensor", "head", "token", "unscaled"), "int_sym": ("token",), "rht_int": ("token",),
+        "turbo_mse": ("token",), "turbo_uniform": ("token",)}
+# what the artifact (manifest), the Triton kernel and the serving cache take; the rest is evaluation-only
+EXPORT_AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"),
+               "fp8": ("tensor", "head")}
 ALLOWED_BITS = (2, 3, 4, 8)
+FORMAT_BITS = {"uniform": ALLOWED_BITS, "nuq": ALLOWED_BITS, "int_sym": (4, 8), "rht_int": (4,),
+               "turbo_mse": (3, 4), "turbo_uniform": (3, 4)}   # fp16 and fp8 store their own width
+OUTLIER_FORMATS = ("uniform", "nuq")                           # the formats with sparse outliers
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+MIN_SCALE = 1e-6          # vLLM's floor on per-token-head scales (int_sym, fp8 axis token, rht_int)
+TURBO_MIN_SCALE = 1e-8    # TurboQuant's floor on the value scale
+TURBO_NORM_EPS = 1e-8     # TurboQuant: x / (|x| + eps) before the rotation
+NC_EPS = 1e-16            # TurboQuant norm correction: v / sqrt(sum v^2 + eps)
 MAX_OUTLIER_FRACTION = 0.1
 # TensorPolicy's calibrated tensors (what calibration fills in and the artifact stores), in artifact order
 CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
@@ -47,6 +83,7 @@ class TensorPolicy:
     group_size: int = 0                     # uniform/channel: tokens per group
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"
+    norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
     zero: torch.Tensor | None = None        # [H, D]                               (nuq, axis=channel)
     range: torch.Tensor | None = None       # [H, D]                               (nuq, axis=channel)
@@ -60,10 +97,16 @@ class TensorPolicy:
             raise CodecError(f"{where}.format must be one of {FORMATS}, got {self.format!r}")
         if self.axis not in AXES[self.format]:
             raise CodecError(f"{where}.axis for format {self.format} must be one of {AXES[self.format]}, got {self.axis!r}")
-        if self.format in ("uniform", "nuq") and self.bits not in ALLOWED_BITS:
-            raise CodecError(f"{where}.bits must be one of {ALLOWED_BITS}, got {self.bits}")
+        if self.format in FORMAT_BITS and self.bits not in FORMAT_BITS[self.format]:
+            raise CodecError(f"{where}.bits must be one of {FORMAT_BITS[self.format]}, got {self.bits} "
+                             f"(format {self.format})")
         if not 0.0 <= self.outlier_fraction <= MAX_OUTLIER_FRACTION:
             raise CodecError(f"{where}.outlier_fraction must be in [0, {MAX_OUTLIER_FRACTION}], got {self.outlier_fraction}")
+        if self.outlier_fraction > 0 and self.format not in OUTLIER_FORMATS:
+            raise CodecError(f"{where}.outlier_fraction: format {self.format} stores no sparse outliers (only "
+                             f"{OUTLIER_FORMATS} do); allowed 0, got {self.outlier_fraction}")
+        if self.norm_correction and self.format != "turbo_mse":
+            raise CodecError(f"{where}.norm_correction applies to format turbo_mse only, got format {self.format}")
         if self.format == "fp8" and self.fp8_dtype not in FP8:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
         if self.format == "uniform" and self.axis == "channel" and self.group_size < 1:
@@ -81,8 +124,8 @@ class TensorPolicy:
                 raise CodecError(f"{where}: nuq with axis=channel needs calibrated zero and range")
         if self.axis == "channel" and self.outlier_fraction > 0 and (self.lower is None or self.upper is None):
             raise CodecError(f"{where}: channel outliers need calibrated lower and upper bounds")
-        if self.format == "fp8" and self.fp8_scale is None:
-            raise CodecError(f"{where}: fp8 needs a calibrated fp8_scale")
+        if self.format == "fp8" and self.axis in ("tensor", "head") and self.fp8_scale is None:
+            raise CodecError(f"{where}: fp8 needs a calibrated fp8_scale (axis {self.axis})")
 
     def calibrated(self) -> dict[str, torch.Tensor]:
         """The calibrated tensors this policy holds, by field name, in CALIBRATED_FIELDS order."""
@@ -91,6 +134,19 @@ class TensorPolicy:
     @property
     def is_full_precision(self) -> bool:
         return self.format == "fp16"
+
+    @property
+    def is_exportable(self) -> bool:
+        return self.axis in EXPORT_AXES.get(self.format, ())
+
+
+def check_exportable(p: TensorPolicy, where: str) -> None:
+    """Refuse an evaluation-only format where a policy is to be exported or served."""
+    if not p.is_exportable:
+        allowed = "; ".join(f"{f} (axis {'|'.join(a)})" for f, a in EXPORT_AXES.items())
+        raise CodecError(f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own "
+                         f"format): the artifact, its Triton kernel and the serving cache take {allowed}; got "
+                         f"format={p.format!r}, axis={p.axis!r}")
 
 
 @dataclass
@@ -104,20 +160,26 @@ class CachePolicy:
     prefix_len: int = 0                               # first positions are the prefix, kept in full precision
     prefix_ids: torch.Tensor | None = None            # [P] token ids every sequence is served after
     extra: dict = field(default_factory=dict)
+    # a serving library's own cache run as that library (stages.engine_cache; evaluation only, never exported):
+    # its settings, e.g. {"library": "transformers", "backend": "hqq", "nbits": 4, ...}; the layers are fp16
+    engine: dict | None = None
 
     @property
     def is_full_precision(self) -> bool:
-        return all(k.is_full_precision and v.is_full_precision for k, v in self.layers) and self.smooth is None
+        return (all(k.is_full_precision and v.is_full_precision for k, v in self.layers) and self.smooth is None
+                and self.engine is None)
 
 
 @dataclass
 class Encoded:
     """One layer's K or V in the stored form (codes unpacked, one per uint8; see pack_codes for bytes)."""
     shape: tuple[int, int, int, int]                      # [B, H, T, D]
-    codes: torch.Tensor | None = None                     # [B, H, T, D] uint8
+    codes: torch.Tensor | None = None                     # [B, H, T, D] uint8 (int8 for int_sym)
     dense: torch.Tensor | None = None                     # [B, H, T, D] fp16 (format fp16) or float8 (fp8)
-    scale: torch.Tensor | None = None                     # uniform: [B,H,T,1] (token) | [B,H,n_groups,D] (channel)
-    zero: torch.Tensor | None = None                      # same shape as scale (uniform min / nuq zero)
+    scale: torch.Tensor | None = None                     # uniform: [B,H,T,1] (token) | [B,H,n_groups,D] (channel);
+                                                          # [B,H,T,1] fp32 (int_sym, fp8 token, rht_int with zp in
+                                                          # its low bits) | fp16 (turbo_mse: |x|, turbo_uniform)
+    zero: torch.Tensor | None = None                      # same shape as scale (uniform / turbo_uniform min, nuq zero)
     outlier_index: torch.Tensor | None = None             # [n, 4] int64 (b, h, t, d)
     outlier_value: torch.Tensor | None = None             # [n] fp16
     meta: dict = field(default_factory=dict)
@@ -187,9 +249,9 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
     if p.format == "fp16":
         return Encoded(shape, dense=x.to(torch.float16))
     if p.format == "fp8":
-        dtype, fmax = FP8[p.fp8_dtype]
-        s = _fp8_scale(p, x.shape[1])
-        return Encoded(shape, dense=(x / s).clamp(-fmax, fmax).to(dtype))
+        return _encode_fp8(x, p)
+    if p.format in _PEER_CODECS:
+        return _PEER_CODECS[p.format][0](x, p, where)
     inlier, out_idx, out_val = x, None, None
     if p.outlier_fraction > 0:
         if p.axis == "channel":
@@ -221,7 +283,11 @@ def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     if p.format == "fp16":
         return e.dense.float()
     if p.format == "fp8":
-        return e.dense.float() * _fp8_scale(p, e.shape[1])
+        if p.axis == "unscaled":
+            return e.dense.float()
+        return e.dense.float() * (e.scale if p.axis == "token" else _fp8_scale(p, e.shape[1]))
+    if p.format in _PEER_CODECS:
+        return _PEER_CODECS[p.format][1](e, p)
     t = e.shape[2]
     if p.format == "uniform":
         if p.axis == "token":
@@ -243,6 +309,112 @@ def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
 def fake_quant(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> tuple[torch.Tensor, Encoded]:
     e = encode(x, p, where)
     return decode(e, p).to(x.dtype), e
+
+
+# ---- fp8 and the evaluation-only formats (vLLM 0.32) --------------------------------------------------------
+
+def _encode_fp8(x: torch.Tensor, p: TensorPolicy) -> Encoded:
+    dtype, fmax = FP8[p.fp8_dtype]
+    if p.axis == "unscaled":
+        # vLLM casts the raw key in Triton (triton_turboquant_store.py:188-194) with no clamp; what that cast does
+        # beyond 448 is unverified. torch's cast is no contract either (2.13 on CPU saturates e4m3fn, even inf,
+        # but overflows e5m2 to inf), so clamp to +-fp8_max first: out-of-range keys saturate.
+        return Encoded(tuple(x.shape), dense=x.clamp(-fmax, fmax).to(dtype))
+    if p.axis == "token":
+        s = (x.abs().amax(-1, keepdim=True) / fmax).clamp_min(MIN_SCALE)          # [B, H, T, 1] fp32
+        return Encoded(tuple(x.shape), dense=(x * (1 / s)).clamp(-fmax, fmax).to(dtype), scale=s)
+    s = _fp8_scale(p, x.shape[1])
+    return Encoded(tuple(x.shape), dense=(x / s).clamp(-fmax, fmax).to(dtype))
+
+
+def round_half_away(t: torch.Tensor) -> torch.Tensor:
+    """Round half away from zero the way vLLM's kernels do: t +- 0.5 in t's dtype, then truncate."""
+    return torch.where(t >= 0, t + 0.5, t - 0.5).trunc()
+
+
+def _encode_int_sym(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    qmax = 2 ** (p.bits - 1) - 1
+    s = (x.abs().amax(-1, keepdim=True) / qmax).clamp_min(MIN_SCALE)              # [B, H, T, 1] fp32
+    codes = round_half_away(x * (1 / s)).clamp(-qmax - 1, qmax).to(torch.int8)    # vLLM multiplies by 1/s
+    return Encoded(tuple(x.shape), codes=codes, scale=s)
+
+
+def _decode_int_sym(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    return e.codes.float() * e.scale
+
+
+ZP_MASK = 0xF   # rht_int: the zero point rides in the scale's 4 low mantissa bits
+
+
+def _encode_rht_int(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    top = 2 ** p.bits - 1
+    y = rotation.rht(x).to(torch.float16).float()        # rotated, then rounded to the cache's input dtype
+    mn, mx = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
+    s = ((mx - mn) / top).clamp_min(MIN_SCALE)                                     # [B, H, T, 1] fp32
+    zp = round_half_away(-mn / s).clamp(0, top)
+    codes = round_half_away(y * (1 / s) + zp).clamp(0, top).to(torch.uint8)
+    packed = (s.view(torch.int32) & ~ZP_MASK) | zp.to(torch.int32)
+    return Encoded(tuple(x.shape), codes=codes, scale=packed.view(torch.float32))
+
+
+def rht_scale_and_zero(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rht_int's stored fp32 -> (the truncated scale it decodes with, the zero point), both float32."""
+    bits = packed.float().view(torch.int32)
+    return (bits & ~ZP_MASK).view(torch.float32), (bits & ZP_MASK).float()
+
+
+def _decode_rht_int(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    s, zp = rht_scale_and_zero(e.scale)
+    return rotation.rht_inverse(s * (e.codes.float() - zp))
+
+
+def turbo_codebook(bits: int, d: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """turbo_mse's (levels [2^bits], midpoints [2^bits - 1]) float32 for head_dim d: derived, never calibrated."""
+    levels, mids = lloyd_max.codebook(bits, d)
+    return levels.to(device), mids.to(device)
+
+
+def _turbo_rotation(d: int, where: str, device) -> torch.Tensor:
+    if d & (d - 1):
+        raise CodecError(f"{where}: format turbo_mse needs a power-of-two head_dim (TurboQuant's Hadamard), got D={d}")
+    return rotation.hadamard_orthonormal(d).to(device)
+
+
+def _encode_turbo_mse(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    d = x.shape[-1]
+    h = _turbo_rotation(d, where, x.device)
+    norm = x.norm(dim=-1, keepdim=True)                                            # [B, H, T, 1] fp32
+    u = (x / (norm + TURBO_NORM_EPS)) @ h                                          # H symmetric: u = H x / |x|
+    _, mids = turbo_codebook(p.bits, d, x.device)
+    codes = torch.bucketize(u.contiguous(), mids, right=True).to(torch.uint8)      # a tie goes to the upper level
+    return Encoded(tuple(x.shape), codes=codes, scale=norm.to(torch.float16))
+
+
+def _decode_turbo_mse(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    d = e.shape[-1]
+    levels, _ = turbo_codebook(p.bits, d, e.codes.device)
+    v = levels[e.codes.long()]                                                     # [B, H, T, D]
+    if p.norm_correction:
+        v = v * (1 / torch.sqrt((v * v).sum(-1, keepdim=True) + NC_EPS))
+    return (e.scale.float() * v) @ _turbo_rotation(d, "decode", v.device)
+
+
+def _encode_turbo_uniform(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    top = 2 ** p.bits - 1
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    s = (mx - mn) / top
+    s = torch.where(s > TURBO_MIN_SCALE, s, TURBO_MIN_SCALE)                       # fp32, as the codes see it
+    codes = ((x - mn) / s + 0.5).trunc().clamp(0, top).to(torch.uint8)           # >= 0: round half up
+    return Encoded(tuple(x.shape), codes=codes, scale=s.to(torch.float16), zero=mn.to(torch.float16))
+
+
+def _decode_turbo_uniform(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    return e.codes.float() * e.scale.float() + e.zero.float()
+
+
+_PEER_CODECS = {"int_sym": (_encode_int_sym, _decode_int_sym), "rht_int": (_encode_rht_int, _decode_rht_int),
+                "turbo_mse": (_encode_turbo_mse, _decode_turbo_mse),
+                "turbo_uniform": (_encode_turbo_uniform, _decode_turbo_uniform)}
 
 
 def _fp8_scale(p: TensorPolicy, n_heads: int) -> torch.Tensor:
@@ -311,6 +483,11 @@ FP8_BITS = 8
 SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_COUNT_BITS = 16, 16, 16
 SCALE_BITS = 16    # per-token / per-group scales and zero-points (fp16)
 STATIC_BITS = 32   # per-layer calibrated tensors, stored float32 in the artifact
+FP32_SCALE_BITS = 32   # vLLM's per-(token, head) fp32 scale (int_sym, fp8 axis token, rht_int with its zero point)
+# bits stored beside each (token, head) row's codes, by format (uniform / nuq: see row_meta_bits)
+ROW_META_BITS = {"int_sym": FP32_SCALE_BITS, "rht_int": FP32_SCALE_BITS,
+                 "turbo_mse": SCALE_BITS,            # the fp16 norm
+                 "turbo_uniform": 2 * SCALE_BITS}    # fp16 scale + fp16 min
 
 
 def full_precision_bits(b: int, h: int, t: int, d: int) -> int:
@@ -323,19 +500,28 @@ def code_row_bits(p: TensorPolicy, d: int) -> int:
     return 8 * -(-d * p.bits // 8)
 
 
+def row_meta_bits(p: TensorPolicy) -> int:
+    """Bits stored per (token, head) row beside its codes or fp8 values: scales, zero-points, norms."""
+    if p.format == "fp8":
+        return FP32_SCALE_BITS if p.axis == "token" else 0
+    if p.format in ROW_META_BITS:
+        return ROW_META_BITS[p.format]
+    return 2 * SCALE_BITS if p.format in ("uniform", "nuq") and p.axis == "token" else 0
+
+
 def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None = None) -> int:
-    """t encoded rows of [B, H, D] without the sparse outliers: fp16 / fp8 values, or packed codes plus an fp16
-    scale and zero-point per (token, head) (axis token) or per (group, head, channel) (uniform, axis channel).
-    n_groups: scale groups of a per-channel uniform tensor; by default ceil(t / group_size), a partial last
-    group included (what encode produces; the cache only ever stores whole groups)."""
+    """t encoded rows of [B, H, D] without the sparse outliers: fp16 / fp8 values, or packed codes, plus the
+    per-row metadata (row_meta_bits: an fp16 scale and zero-point per (token, head) for axis token, vLLM's fp32
+    scale, TurboQuant's fp16 norm or scale + min) or an fp16 scale and zero-point per (group, head, channel)
+    (uniform, axis channel). n_groups: scale groups of a per-channel uniform tensor; by default
+    ceil(t / group_size), a partial last group included (what encode produces; the cache only ever stores whole
+    groups)."""
     if p.format == "fp16":
         return full_precision_bits(b, h, t, d)
     if p.format == "fp8":
-        return b * h * t * d * FP8_BITS
-    bits = b * h * t * code_row_bits(p, d)
-    if p.axis == "token":
-        bits += b * h * t * 2 * SCALE_BITS
-    elif p.format == "uniform":
+        return b * h * t * (d * FP8_BITS + row_meta_bits(p))
+    bits = b * h * t * (code_row_bits(p, d) + row_meta_bits(p))
+    if p.format == "uniform" and p.axis == "channel":
         groups = -(-t // p.group_size) if n_groups is None else n_groups
         bits += b * h * groups * d * 2 * SCALE_BITS
     return bits
@@ -344,7 +530,7 @@ def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | 
 def sparse_bits(p: TensorPolicy, b: int, t: int, n_outliers: int | float) -> int | float:
     """Sparse outliers of t encoded rows: an fp16 value + a 16-bit index within the token's row of H*D entries
     per outlier, and a 16-bit outlier count per token row. n_outliers may be an expected (fractional) count."""
-    if p.format not in ("uniform", "nuq") or p.outlier_fraction <= 0:
+    if p.format not in OUTLIER_FORMATS or p.outlier_fraction <= 0:
         return 0
     return b * t * SPARSE_ROW_COUNT_BITS + n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from exporters.codec import ALLOWED_BITS, AXES, CachePolicy, CodecError, TensorPolicy
+from exporters.codec import ALLOWED_BITS, EXPORT_AXES, CachePolicy, CodecError, TensorPolicy
 from exporters.checksums import sha256_bytes
 
 FORMAT_NAME = "kvcalib.kv-cache"
@@ -201,8 +201,8 @@ def _check_policy_fields(p: dict, where: str) -> None:
     fmt, axis, bits, group = p["format"], p["axis"], p["bits"], p["group_size"]
     if bits not in FORMAT_BITS[fmt]:
         raise QuantFieldError(f"{where}/bits: format {fmt} allows {list(FORMAT_BITS[fmt])}, got {bits!r}")
-    if axis not in AXES[fmt]:
-        raise QuantFieldError(f"{where}/axis: format {fmt} allows {list(AXES[fmt])}, got {axis!r}")
+    if axis not in EXPORT_AXES[fmt]:  # the codec's evaluation-only axes (fp8 token / unscaled) are refused here
+        raise QuantFieldError(f"{where}/axis: format {fmt} allows {list(EXPORT_AXES[fmt])}, got {axis!r}")
     grouped = fmt == "uniform" and axis == "channel"
     if (group >= 1) != grouped:
         allowed = "an integer >= 1 (tokens per scale group)" if grouped else "0 (only uniform per-channel groups)"
@@ -397,6 +397,10 @@ def check_model(manifest: dict, spec) -> None:
 # ---- CachePolicy <-> manifest ------------------------------------------------------------------------------
 
 def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None) -> dict:
+    if not p.is_exportable:  # an evaluation-only format (exporters.codec.EXPORT_AXES): no consumer decodes it
+        allowed = {f: list(a) for f, a in EXPORT_AXES.items()}
+        raise QuantFieldError(f"{prefix.replace('.', '/')}/format: the artifact allows format/axis {allowed}, got "
+                              f"format {p.format!r} with axis {p.axis!r} (evaluation-only)")
     names = {}
     for name, t in p.calibrated().items():
         key = f"{prefix}.{name}"

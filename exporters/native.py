@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load as load_safetensors, save
 
 from exporters.codec import CachePolicy
+from exporters.files import write_synced
 from exporters.manifest import (DIGEST_FIELD, TENSOR_FILE, UNSIGNED, UPDATABLE, ChecksumError, ManifestError,
                                 SchemaError, bound_metadata, check_binding, check_model, check_tensors, parse_manifest,
                                 policy_from_manifest, serialize_manifest, validate_schema)
@@ -68,13 +69,6 @@ def parse_artifact(raw_manifest: bytes, raw_tensors: bytes | None, spec=None, pa
     return Artifact(path, manifest, tensors, policy)
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two existing paths in one step (Linux renameat2 RENAME_EXCHANGE). False where the call is
     unavailable (no such libc function, ENOSYS, or EINVAL from a file system without the flag)."""
@@ -111,8 +105,8 @@ def write_artifact(directory: str | Path, manifest: dict, tensors: dict[str, tor
         manifest["tensor_file"]["sha256"] = hashlib.sha256(raw_tensors).hexdigest()
         raw_manifest = serialize_manifest(manifest)
         parse_artifact(raw_manifest, raw_tensors)
-        _fsync_write(tmp / TENSOR_FILE, raw_tensors)
-        _fsync_write(tmp / MANIFEST_FILE, raw_manifest)
+        write_synced(tmp / TENSOR_FILE, raw_tensors)
+        write_synced(tmp / MANIFEST_FILE, raw_manifest)
         if not final.exists():
             os.rename(tmp, final)
         elif _exchange(tmp, final):
@@ -196,7 +190,7 @@ def update_manifest(directory: str | Path, **fields) -> dict:
     path = Path(directory) / MANIFEST_FILE
     tmp = path.parent / f".{MANIFEST_FILE}.{uuid.uuid4().hex}.tmp"
     try:
-        _fsync_write(tmp, raw)
+        write_synced(tmp, raw)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -11,7 +11,7 @@ import torch
 from exporters.codec import CachePolicy
 from exporters.ledger import predict_bytes
 from pipeline import faults
-from pipeline.files import atomic_write_text
+from exporters.files import atomic_write_text
 from pipeline.runner import Runner, Stage
 from stages import evaluate, gate, layer_policy, probes, sensitivity
 

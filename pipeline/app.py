@@ -19,7 +19,7 @@ from pipeline.config import QuantConfig, RunConfig, load_recipe
 from pipeline.data import build_windows
 from pipeline.errors import GateError, RuntimeCheckError, UserError
 from pipeline.export import export
-from pipeline.files import atomic_write_json
+from exporters.files import atomic_write_json
 from pipeline.model import LoadedModel, load_model
 from pipeline.runner import Runner, Stage, peak_rss_mb
 from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
@@ -184,16 +184,29 @@ def model_identity(lm: LoadedModel) -> str:
                         "dtype": str(param.dtype), "device": param.device.type})
 
 
+def check_recipes(cfg: RunConfig) -> list[QuantConfig]:
+    """The run's recipes (recipes_of), each valid, and the ones it exports and serves -- its own (quant=...) and
+    the layer_policy options -- in formats the artifact takes: refused before the model loads or any stage runs.
+    Evaluation-only formats (vLLM's own caches) are evaluated only beside the run's recipe, via eval.recipes."""
+    recipes = recipes_of(cfg)
+    for q in recipes:
+        recipe.validate_recipe(q)
+    recipe.check_exportable_recipe(cfg.quant, "quant")
+    if cfg.layer_policy.enabled:
+        by_name = {q.name: q for q in recipes}
+        for i, name in enumerate(cfg.layer_policy.options):
+            recipe.check_exportable_recipe(by_name[name], f"layer_policy.options[{i}] (recipe {name}): quant")
+    return recipes
+
+
 def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool = True) -> dict:
     start = time.perf_counter()
+    recipes = check_recipes(cfg)  # refuse a bad recipe before anything loads
     lm = load_model(cfg.model)
     windows = build_windows(cfg.data, lm.tokenizer)
     if cfg.gate.enabled and not cfg.eval.enabled:  # the gate judges the evaluation: never skip it silently
         raise UserError("gate.enabled=true needs eval.enabled=true (the gate judges the evaluation's perplexity "
                         "ratio); got eval.enabled=false: set gate.enabled=false too, or enable the evaluation")
-    recipes = recipes_of(cfg)
-    for q in recipes:  # refuse a bad recipe before any stage runs
-        recipe.validate_recipe(q)
     codebooks.check_weighting(cfg.codebooks.weighting)
     data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
     runner = Runner(cfg.cache_dir, model_identity(lm), data_id, log=log, show_progress=show_progress)

@@ -10,7 +10,7 @@
 
 Figures are built with `matplotlib.figure.Figure` and written by the Agg renderer, never through pyplot, so
 no GUI backend is touched and no global figure state is left behind. Each PNG is rendered in memory and written
-atomically (pipeline/files.py): a killed run leaves the old file or the new one, never a torn image.
+atomically (exporters/files.py): a killed run leaves the old file or the new one, never a torn image.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from pipeline.files import atomic_write_bytes
+from exporters.files import atomic_write_bytes
 
 _PANELS = (("k_pre_absmax", "K pre-RoPE"), ("k_post_absmax", "K post-RoPE"), ("v_absmax", "V"))
 

@@ -14,6 +14,7 @@ process on this host, or older than `FOREIGN_TMP_AGE_S` (another host's), never 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -26,12 +27,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import psutil
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm import tqdm
 
 from exporters.checksums import sha256_file, sha256_json
+from exporters.files import fsync_dir, write_synced
 from pipeline import faults
-from pipeline.files import fsync_dir
 from pipeline.locks import FileLock, owner_is_gone, owner_suffix, remove_if_stale
 from stages.base import StageResult
 
@@ -188,17 +189,11 @@ class StageCache:
         tmp.mkdir()
         try:
             tensors = {k: v.detach().contiguous().cpu() for k, v in result.tensors.items()}
-            save_file(tensors, str(tmp / "tensors.safetensors"))
+            raw = save(tensors)
+            write_synced(tmp / "tensors.safetensors", raw)  # both files on disk before the rename shows them
             faults.point(f"cache.{stage}.saved")
-            record = {"stage": stage, "key": key, "meta": result.meta,
-                      "tensors_sha256": sha256_file(tmp / "tensors.safetensors")}
-            (tmp / "meta.json").write_text(json.dumps(record, indent=1, default=str))
-            for name in ("tensors.safetensors", "meta.json"):  # on disk before the rename makes them visible
-                fd = os.open(tmp / name, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            record = {"stage": stage, "key": key, "meta": result.meta, "tensors_sha256": hashlib.sha256(raw).hexdigest()}
+            write_synced(tmp / "meta.json", json.dumps(record, indent=1, default=str).encode())
             faults.point(f"cache.{stage}.before_rename")
             if final.exists() and self._damage(final) not in (None, "missing"):
                 # a damaged entry under the same key: moved aside (one rename), then replaced

@@ -47,7 +47,7 @@ import pipeline
 from pipeline import faults
 from pipeline.config import RunConfig, TrackingConfig
 from pipeline.errors import UserError
-from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from exporters.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from pipeline.locks import HOST, HOST_ID, pid_alive
 
 ENV_PARENT_RUN = "KVCALIB_MLFLOW_PARENT_RUN_ID"   # set by SweepCallback for the jobs of a sweep

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from exporters.codec import (CachePolicy, Encoded, TensorPolicy, decode, encode, pack_codes, static_bits,
-                            unpack_codes)
+from exporters.codec import (CachePolicy, Encoded, TensorPolicy, check_exportable, decode, encode, pack_codes,
+                            static_bits, unpack_codes)
 from exporters.rope import apply_rope, invert_rope
 from stages.base import InputError
 
@@ -291,6 +291,9 @@ class ArtifactCache(Cache):
     crop(0) work on every layer; crop(n != 0), offload and prefetch raise NotImplementedError naming them."""
 
     def __init__(self, policy: CachePolicy, model: torch.nn.Module):
+        for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
+            check_exportable(pk, f"ArtifactCache: layer {i} keys")
+            check_exportable(pv, f"ArtifactCache: layer {i} values")
         rotary = model.model.rotary_emb
         dtype = next(model.parameters()).dtype
         device = next(model.parameters()).device

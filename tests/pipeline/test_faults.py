@@ -1,7 +1,5 @@
-"""The kill points (pipeline/faults.py) and atomic file writes (pipeline/files.py)."""
-import json
+"""The kill points (pipeline/faults.py)."""
 import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from pipeline import faults
-from pipeline.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[2]
 _PROGRAM = ("from pipeline import faults\n"
@@ -42,29 +39,3 @@ def test_a_named_point_kills_its_process_with_sigkill(kill_at, last):
     said = out.stdout.splitlines()
     assert (said[-1] if said else None) == last
     assert f"faults: killing process" in out.stderr
-
-
-def test_atomic_writes_replace_whole_files(tmp_path):
-    path = tmp_path / "sub" / "summary.json"
-    atomic_write_json(path, {"a": 1, "p": Path("x")})
-    assert json.loads(path.read_text()) == {"a": 1, "p": "x"}
-    atomic_write_text(path, "second")
-    assert path.read_text() == "second"
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # what a plain open() would give
-    assert sorted(p.name for p in path.parent.iterdir()) == ["summary.json"]  # no temporary left
-
-
-def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
-    path = tmp_path / "report.md"
-    atomic_write_bytes(path, b"old")
-
-    def full_disk(*args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(OSError, match="No space"):
-        atomic_write_bytes(path, b"new")
-    monkeypatch.undo()
-    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["report.md"]

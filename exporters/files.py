@@ -1,5 +1,10 @@
-"""Atomic file writes: every file the pipeline writes (summary.json, report.md, CSV, PNG plots, cache metadata) goes
-through here, so a reader -- or a rerun after a crash -- sees the old file or the new one, never a torn one.
+"""Durable and atomic file writes: the one place that writes, flushes and fsyncs a file. The artifact writer
+(exporters/native.py), the stage cache (pipeline/runner.py) and every file the pipeline writes (summary.json,
+report.md, CSV, PNG plots) go through here, so a reader -- or a rerun after a crash -- sees the old file or the
+new one, never a torn one.
+
+`write_synced` writes a new file and fsyncs it (for files inside a temporary folder that is renamed into place
+as a whole); `atomic_write_bytes` replaces one file:
 
 The bytes go to a unique temporary file in the destination's folder (same filesystem, so the rename is atomic;
 the name starts with a dot and says `.tmp`), are flushed and fsynced, and the file is renamed over the
@@ -44,15 +49,27 @@ def fsync_dir(directory: str | Path) -> None:
         os.close(fd)
 
 
+def _write_fsync(f, data: bytes) -> None:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def write_synced(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` (created or truncated) and fsync it: on disk before a later rename shows it."""
+    path = Path(path)
+    with open(path, "wb") as f:
+        _write_fsync(f, data)
+    return path
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_fsync(f, data)
         os.chmod(tmp, _FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
@@ -74,4 +91,4 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 1) -> Pat
     return atomic_write_text(path, json.dumps(obj, indent=indent, default=str))
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "fsync_dir"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "fsync_dir", "write_synced"]

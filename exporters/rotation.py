@@ -1,0 +1,79 @@
+"""Hadamard rotations of a KV row, as two vLLM 0.32 cache formats apply them before quantizing.
+
+- `rht` / `rht_inverse` (vLLM int4_per_token_head, vllm/v1/attention/ops/int4_per_token_head.py:954-1167): the
+  randomized Hadamard transform y = H_b (d * x) with the UNnormalized Sylvester matrix H_b (entries +-1,
+  H_b H_b^T = b I, b = the largest power of two dividing D; block-diagonal over D / b blocks when b < D, the
+  same signs in every block), inverse x = d * (H_b y) / b.
+- `hadamard_orthonormal(d)` (TurboQuant, vllm/v1/attention/backends/turboquant_attn.py:105-120): H_d / sqrt(d),
+  symmetric and its own inverse, no signs; d must be a power of two.
+
+Natural (Sylvester) ordering everywhere: H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]].
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+RHT_SEED = 0x9E3779B9   # vLLM's seed for the first (and only) RHT round: 0x9E3779B9 + 0 * 0x517CC1B7
+
+
+def largest_power_of_two_divisor(d: int) -> int:
+    if d < 1:
+        raise ValueError(f"head_dim must be >= 1, got {d}")
+    return d & -d
+
+
+@functools.lru_cache(maxsize=16)
+def _sylvester(b: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard(b: int) -> torch.Tensor:
+    """[b, b] float32 unnormalized Sylvester Hadamard matrix (b a power of two). A fresh copy: callers may edit it."""
+    if b < 1 or b & (b - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {b}")
+    return _sylvester(b).clone()
+
+
+def hadamard_orthonormal(d: int) -> torch.Tensor:
+    """[d, d] float32 H_d / sqrt(d): TurboQuant's rotation (symmetric, H H = I)."""
+    return hadamard(d) / math.sqrt(d)
+
+
+@functools.lru_cache(maxsize=16)
+def _signs(b: int) -> torch.Tensor:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(RHT_SEED)
+    return 2.0 * torch.bernoulli(torch.full((b,), 0.5), generator=gen) - 1.0
+
+
+def rht_signs(b: int) -> torch.Tensor:
+    """[b] float32 +-1: vLLM's RHT signs, 2 * bernoulli(0.5) - 1 from a CPU generator seeded RHT_SEED. A prefix of
+    the stream: the signs for b are the first b of those for any larger size. Torch's bernoulli stream is what
+    defines them; another torch version could in principle draw others (tests pin the first 64)."""
+    return _signs(b).clone()
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """x [..., D] -> (x viewed [..., D / b, b], H_b, signs [b], b) on x's device, float32."""
+    d = x.shape[-1]
+    b = largest_power_of_two_divisor(d)
+    xb = x.float().reshape(*x.shape[:-1], d // b, b)
+    return xb, _sylvester(b).to(x.device), _signs(b).to(x.device), b
+
+
+def rht(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> y = H_b (d * x) per block of b, float32 (norm sqrt(b) |x| per block)."""
+    xb, h, s, _ = _blocks(x)
+    return ((xb * s) @ h).reshape(x.shape)          # H is symmetric: (d * x) @ H = H (d * x) row-wise
+
+
+def rht_inverse(y: torch.Tensor) -> torch.Tensor:
+    """y [..., D] -> x = d * (H_b y) / b per block, float32: rht_inverse(rht(x)) == x up to float32 rounding."""
+    yb, h, s, b = _blocks(y)
+    return ((yb @ h) * s / b).reshape(y.shape)

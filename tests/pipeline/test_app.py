@@ -1,0 +1,42 @@
+"""pipeline/app.py's refusal of evaluation-only formats (vLLM's own caches) as the recipe a run exports: before the
+model loads, naming the field, the allowed formats and what was given; as comparison recipes they are fine."""
+import pytest
+
+from exporters.codec import CodecError
+from pipeline.app import check_recipes, run_pipeline
+from pipeline.config import EvalConfig, LayerPolicyConfig, ModelConfig, RunConfig, load_recipe
+from pipeline.errors import user_errors
+
+NOT_LOADED = ModelConfig(source="local", path="/nonexistent/kvcalib-test-model")  # loading it would fail
+
+
+def test_a_peer_format_as_the_runs_recipe_is_refused_before_the_model_loads(tmp_path):
+    cfg = RunConfig(model=NOT_LOADED, quant=load_recipe("vllm-turboquant-4bit-nc"), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(CodecError, match=r"^quant\.key: format turbo_mse with axis token is evaluation-only .*"
+                                         r"uniform \(axis token\|channel\).*got format='turbo_mse', axis='token'$"
+                       ) as exc:
+        run_pipeline(cfg, tmp_path / "run", log=lambda _m: None, show_progress=False)
+    assert isinstance(exc.value, user_errors())     # exit code 2, like every refused recipe
+    assert not (tmp_path / "c").exists() and not (tmp_path / "run").exists()
+
+
+def test_the_value_field_is_named_too():
+    q = load_recipe("int4-token")
+    q.value = load_recipe("vllm-fp8-per-token-head").value
+    with pytest.raises(CodecError, match=r"^quant\.value: format fp8 with axis token is evaluation-only .*"
+                                         r"fp8 \(axis tensor\|head\)"):
+        check_recipes(RunConfig(quant=q))
+
+
+def test_a_peer_format_as_a_layer_policy_option_is_refused():
+    cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=["fp16"]),
+                    layer_policy=LayerPolicyConfig(enabled=True, options=["kvquant-3b-1pct", "vllm-int4-per-token-head"]))
+    with pytest.raises(CodecError, match=r"^layer_policy\.options\[1\] \(recipe vllm-int4-per-token-head\): quant\.key: "
+                                         r"format rht_int with axis token is evaluation-only"):
+        check_recipes(cfg)
+
+
+def test_peer_formats_are_fine_as_comparison_recipes():
+    names = ["fp16", "vllm-int8-per-token-head", "vllm-turboquant-k8v4", "vllm-turboquant-3bit-nc"]
+    cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=names))
+    assert [q.name for q in check_recipes(cfg)] == ["kvquant-4b-1pct", *names]

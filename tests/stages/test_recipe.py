@@ -1,0 +1,70 @@
+"""stages/recipe.py for vLLM's formats (conf/quant/vllm-*.yaml): each recipe loads and resolves to a policy with
+no calibration, TurboQuant's boundary layers are fp16, the bits per element are the spec's, and a run's exported
+recipe refuses them."""
+import pytest
+import torch
+
+from exporters.codec import CodecError, fake_quant, stored_bits
+from pipeline.config import QuantConfig, TensorQuantConfig, load_recipe, recipe_names
+from stages import recipe
+
+VLLM = ["vllm-int8-per-token-head", "vllm-fp8-per-token-head", "vllm-int4-per-token-head", "vllm-turboquant-k8v4",
+        "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc", "vllm-turboquant-3bit-nc"]
+# (K bits, V bits) per element at D=64 and D=128: the spec's table (section 6)
+BITS = {"vllm-int8-per-token-head": ((8.5, 8.5), (8.25, 8.25)),
+        "vllm-fp8-per-token-head": ((8.5, 8.5), (8.25, 8.25)),
+        "vllm-int4-per-token-head": ((4.5, 4.5), (4.25, 4.25)),
+        "vllm-turboquant-k8v4": ((8.0, 4.5), (8.0, 4.25)),
+        "vllm-turboquant-4bit-nc": ((4.25, 4.5), (4.125, 4.25)),
+        "vllm-turboquant-k3v4-nc": ((3.25, 4.5), (3.125, 4.25)),
+        "vllm-turboquant-3bit-nc": ((3.25, 3.5), (3.125, 3.25))}
+
+
+def test_every_vllm_recipe_is_in_conf_quant():
+    assert set(VLLM) <= set(recipe_names())
+
+
+@pytest.mark.parametrize("name", VLLM)
+def test_vllm_recipe_builds_a_policy_without_calibration(name):
+    q = load_recipe(name)
+    assert q.name == name and q.key_rope == "post" and q.n_sink == 0 and q.residual == 0
+    assert not recipe.needs_calibration(q)
+    policy = recipe.build_policy(q, 6, {})
+    full = {0, 1, 4, 5} if "turboquant" in name else set()
+    for i, (pk, pv) in enumerate(policy.layers):
+        assert (pk.format == "fp16" and pv.format == "fp16") == (i in full), (i, pk.format)
+    pk, pv = policy.layers[2]
+    assert pk.calibrated() == {} and pv.calibrated() == {}
+    for d, (k_bits, v_bits) in zip((64, 128), BITS[name]):
+        assert stored_bits(pk, 1, 1, 1, d) / d == k_bits
+        assert stored_bits(pv, 1, 1, 1, d) / d == v_bits
+    x = torch.randn(1, 2, 5, 64, generator=torch.Generator().manual_seed(0)).half().float()
+    for p in (pk, pv):   # the codec takes the policy as built
+        assert torch.isfinite(fake_quant(x, p)[0]).all()
+
+
+@pytest.mark.parametrize("n_layers,full", [(6, {0, 1, 4, 5}), (4, {0, 1, 2, 3}), (3, {0, 2}), (1, set())])
+def test_full_precision_layers_are_the_first_and_last_n(n_layers, full):
+    q = QuantConfig(name="x", key=TensorQuantConfig(format="uniform", bits=4, axis="token"),
+                    value=TensorQuantConfig(format="uniform", bits=4, axis="token"), full_precision_layers=2)
+    assert recipe.full_precision_layer_indices(q, n_layers) == full    # n = min(2, n_layers // 2), as vLLM
+    layers = recipe.build_policy(q, n_layers, {}).layers
+    assert {i for i, (k, v) in enumerate(layers) if k.is_full_precision and v.is_full_precision} == full
+
+
+def test_full_precision_layers_must_not_be_negative():
+    with pytest.raises(CodecError, match=r"quant.full_precision_layers must be >= 0, got -1"):
+        recipe.validate_recipe(QuantConfig(name="x", full_precision_layers=-1))
+
+
+@pytest.mark.parametrize("name", VLLM)
+def test_a_vllm_recipe_cannot_be_exported(name):
+    with pytest.raises(CodecError, match=r"quant\.key: format \w+ with axis \w+ is evaluation-only .*"
+                                         r"take fp16 \(axis tensor\); uniform \(axis token\|channel\); nuq .*"
+                                         r"fp8 \(axis tensor\|head\); got format="):
+        recipe.check_exportable_recipe(load_recipe(name))
+
+
+def test_our_recipes_can_be_exported():
+    for name in ("fp16", "fp8-e4m3", "int4-token", "kivi-2", "kvquant-3b-1pct"):
+        recipe.check_exportable_recipe(load_recipe(name))
