@@ -2,6 +2,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from pipeline.locks import HOST_ID
@@ -120,10 +121,8 @@ def test_store_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(runner_mod, "save_file", boom)
-    try:
+    monkeypatch.setattr(runner_mod, "write_synced", boom)  # the durable write of the entry's files
+    with pytest.raises(OSError, match="disk full"):
         cache.store("a", "k1", StageResult({"x": torch.zeros(2)}, {}))
-    except OSError:
-        pass
     assert cache.load("a", "k1") is None
     assert not any((tmp_path / "a").iterdir())
