@@ -66,6 +66,26 @@ def peer_report(recipes: dict[str, dict]) -> list[str]:
     return lines
 
 
+def kmeans_report(stage_meta: dict) -> list[str]:
+    """The codebook fits compared, weighted SSE summed over layers (stages.codebooks' report): the served codebook
+    (optimal on the 2048-bin histogram) against Lloyd on all points; then like for like on the same subsample:
+    binned optimum, exact optimum on the raw points, and Lloyd's best and worst of its inits, as ratios to exact."""
+    lines = []
+    for stage, meta in ((k, v) for k, v in stage_meta.items() if k.startswith("codebooks")):
+        for key, rows in meta["sse"].items():
+            binned, lloyd = sum(r["sse_binned"] for r in rows), sum(r.get("sse_lloyd", float("nan")) for r in rows)
+            line = f"{stage} {key}: all points binned/Lloyd {binned / lloyd:.4f}"
+            if all("sub_exact" in r for r in rows):
+                exact = sum(r["sub_exact"] for r in rows)
+                sub_b = sum(r["sub_binned"] for r in rows)
+                inits = [sum(r["sub_lloyd"][i] for r in rows) for i in range(len(rows[0]["sub_lloyd"]))]
+                line += (f"; subsample ({rows[0]['sub_points']} points/layer) binned/exact {sub_b / exact:.4f}, "
+                         f"Lloyd/exact best {min(inits) / exact:.4f} worst {max(inits) / exact:.4f} "
+                         f"of {len(inits)} inits")
+            lines.append(line)
+    return lines
+
+
 TARGETS = {"kvquant-4b-1pct": 1.01, "kvquant-3b-1pct": 1.04, "kvquant-2b-1pct": 1.25}
 
 
@@ -91,7 +111,7 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dev", action="store_true",
                     help="development split: calibrate on the first half of valid.txt, evaluate on its second half "
                          "(test.txt untouched; for choosing a method before it is measured on the protocol)")
-    ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2")
+    ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2 | query-scale2")
     ap.add_argument("--perturb-seeds", type=int, default=4,
                     help="evaluate each quantized recipe under seeds 1..N of the cache-input perturbation (0: once, "
                          "unperturbed; the interval then covers the windows only)")
@@ -144,13 +164,8 @@ def main() -> None:
         print(f"  {r.name:<28} {r.status:<9} {r.wall_s:7.1f} s")
     for line in pareto_report(recipes) + target_report(recipes) + peer_report(recipes):
         print(line)
-    sse = {k: v for k, v in summary["stage_meta"].items() if k.startswith("codebooks")}
-    for stage, meta in sse.items():
-        for key, rows in meta["sse"].items():
-            exact = sum(r["sse_exact"] for r in rows)
-            lloyd = sum(r.get("sse_lloyd", float("nan")) for r in rows)
-            print(f"{stage} {key}: weighted SSE summed over layers exact {exact:.4g} vs Lloyd {lloyd:.4g} "
-                  f"(exact/Lloyd {exact / lloyd:.4f})")
+    for line in kmeans_report(summary["stage_meta"]):
+        print(line)
     keys = ("ppl", "kl", "top1", "avg_bits", "ppl_ratio", "ppl_ratio_ci95", "ppl_seeds")
     ev = summary["evaluation"]
     write_json(args.json, {"recipes": {n: {k: recipes[n][k] for k in keys if k in recipes[n]} for n in names},

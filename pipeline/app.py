@@ -105,8 +105,14 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
                                 outliers.OutliersConfig(fraction=g.fraction))
 
         def fit_codebooks(inp, pr, g=g, ks=ks, bits=bits):
-            return codebooks.fit(codebooks.Inputs(rows(inp, g, with_fisher=True), inp[ks].tensors, g.fraction, bits),
-                                 cfg.codebooks)
+            query_w = None
+            if cfg.codebooks.weighting == "query-scale2":  # keys weighted by the queries that read them
+                query_w = codebooks.query_key_weights(inp[g.traces].tensors["q_meansq"], spec.n_kv_heads,
+                                                      spec.rope_pairing)
+                if g.smooth:  # the cache stores K / lambda: an error there is lambda times larger on K
+                    query_w = query_w * inp["smooth"].tensors["smooth"].square()
+            return codebooks.fit(codebooks.Inputs(rows(inp, g, with_fisher=True), inp[ks].tensors, g.fraction, bits,
+                                                  query_w), cfg.codebooks)
 
         group_cfg = {"fraction": g.fraction, "n_sink": g.n_sink, "rope": g.key_rope}
         stages += [Stage(ks, fit_scales, group_cfg, deps=[g.traces, *extra]),

@@ -6,9 +6,15 @@ per-channel zero/range of key_scales, values per (token, head) after the per-tok
 the normalization exporters.codec applies at encode time. Weights are the Fisher information of the same
 elements (`weighting="fisher"`, as KVQuant's public code), or Fisher times the square of the element's scale
 (`weighting="fisher-scale2"`, the paper's objective: an error e in the normalized space is an error range * e on
-the cached value, so its first-order loss is F * range^2 * e^2). The fit is the exact weighted 1-D k-means
-optimum on a binned histogram (stages.codebooks_kmeans); scikit-learn's Lloyd k-means (KVQuant's method) runs
-as a cross-check on a subsample, and the weighted squared error of both on all points is reported per layer.
+the cached value, so its first-order loss is F * range^2 * e^2), or for keys the queries that read them
+(`weighting="query-scale2"`: an error d in key channel c moves the score q . k by q_c d, so it costs about
+E[q_c^2] d^2 -- the pre-RoPE mean square of the queries of the key's head group, averaged over the channel's RoPE
+pair since RoPE mixes the pair -- times range^2 for the normalized space; values keep Fisher). The fit is weighted 1-D k-means, optimal on the
+weighted histogram of the points in `n_bins` equal-width bins (stages.codebooks_kmeans.kmeans_1d_binned) -- not
+on the raw points. With `lloyd_check`, a random subsample of the points is fitted three ways, like for like: the
+same binned optimum, the exact optimum on the raw subsample points (what binning costs), and scikit-learn's Lloyd
+k-means (KVQuant's method) from `lloyd_inits` seeds; their weighted squared errors on the subsample, and those
+of the served codebook and of Lloyd's on all points, are reported per layer (meta["sse"]).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from threadpoolctl import threadpool_limits
 from exporters.codec import ALLOWED_BITS, token_outlier_bounds
 from stages.base import InputError, StageResult
 from stages.calibration_rows import CalibrationRows
-from stages.codebooks_kmeans import kmeans_1d_exact, kmeans_1d_lloyd, weighted_sse
+from stages.codebooks_kmeans import kmeans_1d_binned, kmeans_1d_lloyd, weighted_sse
 
 
 @dataclass
@@ -28,16 +34,32 @@ class CodebookConfig:
     n_bins: int = 2048
     lloyd_check: bool = True
     lloyd_max_points: int = 50_000
+    lloyd_inits: int = 3
     seed: int = 0
     weighting: str = "fisher"          # fisher (KVQuant's public code) | fisher-scale2 (the paper's objective)
+                                       # | query-scale2 (keys by the queries that read them; values by Fisher)
 
 
-WEIGHTINGS = ("fisher-scale2", "fisher")
+WEIGHTINGS = ("fisher-scale2", "fisher", "query-scale2")
 
 
 def check_weighting(weighting: str) -> None:
     if weighting not in WEIGHTINGS:
         raise InputError(f"codebooks.weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+
+
+def query_key_weights(q_meansq: torch.Tensor, n_kv_heads: int, rope_pairing: str) -> torch.Tensor:
+    """q_meansq [L, H_q, D] (pre-RoPE E[q^2] per query head, traces) -> [L, H_kv, D]: the mean over the query heads
+    that read each key head, then over each channel's rotate-half RoPE pair (c, c + D/2), since RoPE rotates a
+    key error within its pair before the query reads it."""
+    if rope_pairing != "rotate_half":
+        raise InputError(f"codebooks: RoPE pairing must be one of ('rotate_half',), got {rope_pairing!r}")
+    n_layers, n_q, d = q_meansq.shape
+    if n_q % n_kv_heads:
+        raise ValueError(f"codebooks: {n_q} query heads do not group onto {n_kv_heads} key heads")
+    q = q_meansq.double().view(n_layers, n_kv_heads, n_q // n_kv_heads, d).mean(2)
+    m = (q[..., : d // 2] + q[..., d // 2 :]) / 2
+    return torch.cat([m, m], -1).float()
 
 
 def normalized_keys(k: torch.Tensor, zero, rng, lower, upper, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,15 +87,25 @@ def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, t
 
 
 def _fit_one(x: torch.Tensor, w: torch.Tensor, k: int, cfg: CodebookConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
+    """-> (the served codebook: binned optimum on all points, its report). Report keys: sse_binned / sse_lloyd:
+    weighted SSE on all points of the served codebook and of Lloyd (seed cfg.seed, fitted on the subsample);
+    sub_binned / sub_exact / sub_lloyd (one per init): the same subsample fitted and scored by each method."""
     if float(w.sum()) <= 0:
         w = torch.ones_like(w)
-    centers = kmeans_1d_exact(x, w, k, n_bins=cfg.n_bins)
-    report = {"sse_exact": weighted_sse(x, w, centers), "points": int(x.numel())}
+    centers = kmeans_1d_binned(x, w, k, n_bins=cfg.n_bins)
+    report = {"sse_binned": weighted_sse(x, w, centers), "points": int(x.numel())}
     if cfg.lloyd_check:
         sub = torch.randperm(x.numel(), generator=gen)[: cfg.lloyd_max_points]
+        xs, ws = x[sub], w[sub]
+        if float(ws.sum()) <= 0:
+            ws = torch.ones_like(ws)
         with threadpool_limits(1):  # 1-D k-means on 50k points: thread start-up costs more than it saves
-            lloyd = kmeans_1d_lloyd(x[sub], w[sub], k, seed=cfg.seed)
-        report["sse_lloyd"] = weighted_sse(x, w, lloyd)
+            lloyds = [kmeans_1d_lloyd(xs, ws, k, seed=cfg.seed + i) for i in range(max(1, cfg.lloyd_inits))]
+        report["sse_lloyd"] = weighted_sse(x, w, lloyds[0])
+        report["sub_points"] = int(xs.numel())
+        report["sub_binned"] = weighted_sse(xs, ws, kmeans_1d_binned(xs, ws, k, n_bins=cfg.n_bins))
+        report["sub_exact"] = weighted_sse(xs, ws, kmeans_1d_binned(xs, ws, k, n_bins=xs.numel()))
+        report["sub_lloyd"] = [weighted_sse(xs, ws, c) for c in lloyds]
     return centers, report
 
 
@@ -83,6 +115,7 @@ class Inputs:
     scales: dict[str, torch.Tensor]     # the key_scales stage: zero, range, lower, upper [L, H, D]
     fraction: float                     # the recipe's outlier fraction (0: no sparse outliers)
     bits: list[int]                     # the codebook bit-widths to fit (the recipes' nuq tensors)
+    key_query_weights: torch.Tensor | None = None  # [L, H_kv, D] (query_key_weights) for weighting query-scale2
 
 
 def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
@@ -95,6 +128,8 @@ def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
     r = inputs.rows
     if r.fisher_k is None or r.fisher_v is None:
         raise ValueError("codebooks: the calibration rows carry no Fisher weights")
+    if cfg.weighting == "query-scale2" and inputs.key_query_weights is None:
+        raise ValueError("codebooks: weighting query-scale2 needs the key query weights (traces q_meansq)")
     kept = r.kept()
     keys, values, fisher_k, fisher_v = (t[kept].float() for t in (r.keys, r.values, r.fisher_k, r.fisher_v))
     n_layers = keys.shape[1]
@@ -110,6 +145,8 @@ def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
             wk, wv = fisher_k[:, layer], fisher_v[:, layer]
             if cfg.weighting == "fisher-scale2":
                 wk, wv = wk * scales["range"][layer][None].square(), wv * rv.square()
+            elif cfg.weighting == "query-scale2":
+                wk = (inputs.key_query_weights[layer] * scales["range"][layer].square())[None].expand_as(wk)
             for kind, x, m, w, books in (("k", xk, mk, wk, k_books), ("v", xv, mv, wv, v_books)):
                 centers, rep = _fit_one(x[m], w[m], 2 ** bits, cfg, gen)
                 books.append(centers)

@@ -7,7 +7,11 @@ Fisher-weighted 1-D k-means over normalized inlier values. KVQuant runs
 Lloyd's algorithm (scikit-learn, one init, 50 iterations); `kmeans_1d_lloyd`
 reproduces that as a cross-check.
 
-`kmeans_1d_exact` returns the global optimum instead. In one dimension an
+`kmeans_1d_binned` returns the global optimum of the weighted histogram of the
+points (n_bins equal-width bins, 2048 by default), which is the global optimum
+on the raw points themselves only when they have at most n_bins distinct
+values; with n_bins >= the number of points it is the raw optimum (how
+stages/codebooks.py measures what binning costs). In one dimension an
 optimal clustering consists of clusters that are contiguous in sorted order,
 so the optimum follows from the classical dynamic programme (Wang & Song
 2011, Ckmeans.1d.dp):
@@ -266,8 +270,9 @@ def weighted_sse(x: torch.Tensor, w: torch.Tensor, centers: torch.Tensor) -> flo
     return float(np.dot(ws, dist2))
 
 
-def kmeans_1d_exact(x: torch.Tensor, w: torch.Tensor, k: int, n_bins: int = 2048) -> torch.Tensor:
-    """Weighted 1-D k-means optimum. Returns k centers, float32, sorted ascending.
+def kmeans_1d_binned(x: torch.Tensor, w: torch.Tensor, k: int, n_bins: int = 2048) -> torch.Tensor:
+    """Weighted 1-D k-means, optimal on the n_bins-bin weighted histogram of the points. Returns k centers,
+    float32, sorted ascending.
 
     If the number of distinct values (with positive weight) is <= n_bins, no
     binning: the result is the exact optimum on the raw data. Otherwise points

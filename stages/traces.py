@@ -2,7 +2,7 @@
 
 What later stages need (KVQuant, Hooper et al. 2024 sec. 3; QServe, Lin et al. 2024 sec. 4.2; PrefixQuant,
 Chen et al. 2024 sec. 4): per-channel pre-/post-RoPE key ranges and moments, value per-token ranges,
-per-channel query abs-max, the down_proj input's per-token maxima (outlier tokens), attention mass on the
+per-channel query abs-max and mean square, the down_proj input's per-token maxima (outlier tokens), attention mass on the
 first positions (sinks), and a uniform reservoir of pre-RoPE K and V rows with their (sample, position).
 
 Memory is bounded: running statistics are [n_layers, H, D]; the reservoir is fixed-size (Algorithm R with the
@@ -96,6 +96,7 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
     size = cfg.reservoir_size
     k_pre, k_post, v_mom = (_Moments(n_layers, n_kv, d) for _ in range(3))
     q_absmax = torch.zeros(n_layers, n_q, d)
+    q_sumsq = torch.zeros(n_layers, n_q, d, dtype=torch.float64)
     v_tok = torch.zeros(4, n_layers, n_kv, dtype=torch.float64)  # sum absmax, max absmax, sum range, max range
     first_mass = torch.zeros(n_layers, n_q, n_first, dtype=torch.float64)
     res_k = torch.zeros(size, n_layers, n_kv, d)
@@ -140,6 +141,7 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
         def on_q(_m, _inp, out):
             x = rows(out)
             q_absmax[layer] = torch.maximum(q_absmax[layer], x.abs().amax(0))
+            q_sumsq[layer] += x.double().square().sum(0)
             finite(q_absmax[layer], f"layer {layer} q_proj output")
 
         def on_down(_m, inp):
@@ -187,7 +189,7 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
     filled = int((res_pos >= 0).sum())
     tensors = {
         **k_pre.tensors("k_pre", n_tokens), **k_post.tensors("k_post", n_tokens), **v_mom.tensors("v", n_tokens),
-        "q_absmax": q_absmax,
+        "q_absmax": q_absmax, "q_meansq": (q_sumsq / n_tokens).float(),
         "v_token_absmax_mean": (v_tok[0] / n_tokens).float(), "v_token_absmax_max": v_tok[1].float(),
         "v_token_range_mean": (v_tok[2] / n_tokens).float(), "v_token_range_max": v_tok[3].float(),
         "attn_first_mass": (first_mass / n_samples).float(),

@@ -44,7 +44,7 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("data.n_samples=0", "data.n_samples must be >= 1, got 0"),
     ("data=local", "data.path"),
     ("quant.value.format=fp16", "quant.value.axis for format fp16 must be one of ('tensor',), got 'token'"),
-    ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher'), got 'mse'"),
+    ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher', 'query-scale2'), got 'mse'"),
     ("quant.key.bits=5", "quant.key.bits must be one of (2, 3, 4, 8), got 5"),       # an invalid recipe
     ("eval.recipes=[nope]", "quant recipe must be one of ["),
     ("fisher.enabled=false", "Key 'enabled' not in 'FisherConfig'"),                 # the field that did nothing

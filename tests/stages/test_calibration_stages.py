@@ -70,7 +70,12 @@ def test_codebooks_fit_the_normalized_inliers():
     # Gaussian keys normalized by min/max concentrate near 0: the levels are not uniform
     assert k2[0, 1] - k2[0, 0] > k2[0, 2] - k2[0, 1]
     rep = r.meta["sse"]["k2"][0]
-    assert rep["sse_exact"] <= rep["sse_lloyd"] * (1 + 1e-6)
+    assert rep["sse_binned"] <= rep["sse_lloyd"] * (1 + 1e-6)
+    # like for like on the same subsample: the raw optimum is never beaten, by binning or by any Lloyd init
+    assert rep["sub_points"] == rep["points"] < 50_000  # a subsample of all the points is all of them
+    assert rep["sub_binned"] == pytest.approx(rep["sse_binned"], rel=1e-9)
+    assert rep["sub_exact"] <= rep["sub_binned"] * (1 + 1e-9)
+    assert len(rep["sub_lloyd"]) == 3 and all(rep["sub_exact"] <= s * (1 + 1e-9) for s in rep["sub_lloyd"])
     with pytest.raises(ValueError, match=r"codebooks.bits must be in \(2, 3, 4\)"):
         _codebooks(keys, values, w, pos, scales, [5])
 
@@ -94,6 +99,38 @@ def test_codebook_weighting_counts_the_scale():
     assert books["fisher-scale2"][1:].tolist() == pytest.approx(ch1, abs=0.01)
     with pytest.raises(ValueError, match=r"codebooks.weighting must be one of .*got 'mse'"):
         _codebooks(keys, values, w, pos, scales, [2], codebooks.CodebookConfig(weighting="mse"))
+
+
+def test_query_key_weights_average_the_group_and_the_rope_pair():
+    q = torch.tensor([[[1.0, 2.0, 3.0, 6.0], [3.0, 2.0, 1.0, 2.0]]])  # [L=1, H_q=2, D=4], one key head
+    w = codebooks.query_key_weights(q, 1, "rotate_half")
+    # head mean [2, 2, 2, 4]; pairs (0, 2) and (1, 3): [2, 3, 2, 3]
+    assert w.tolist() == [[[2.0, 3.0, 2.0, 3.0]]]
+    with pytest.raises(ValueError, match="RoPE pairing must be one of"):
+        codebooks.query_key_weights(q, 1, "interleaved")
+
+
+def test_codebook_weighting_by_the_queries():
+    """Keys: channel 0 spreads over [-1, -0.2], channel 1 sits at 0.2 / 0.6 / 1.0 (both range 1; channels 2 and 3
+    constant, left out). With uniform Fisher channel 0 gets two of the four levels; when the queries that read
+    channel 1 (and its RoPE partner 3) carry 10^4 times the energy, query-scale2 gives channel 1's three points a
+    level each. Values keep the Fisher weighting: their codebook is the same under both."""
+    ch0, ch1 = [-1.0, -0.8, -0.6, -0.4, -0.2], [0.2, 0.6, 1.0]
+    keys = _rows([[ch0[i % 5], ch1[i % 3], 0.0, 0.0] for i in range(15)])
+    values = _rows([[float(i), float(-i), 1.0, 2.0] for i in range(15)])
+    rng = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]])
+    scales = {"zero": torch.zeros(1, 1, 4), "range": rng, "lower": -rng, "upper": rng}
+    w, pos = torch.ones(15, 1, 1, 4), torch.arange(15) + 1
+    qw = codebooks.query_key_weights(torch.tensor([[[1.0, 1e4, 1.0, 1e4]]]), 1, "rotate_half")
+    cfg = {m: codebooks.CodebookConfig(n_bins=1024, lloyd_check=False, weighting=m) for m in ("fisher", "query-scale2")}
+    rows = CalibrationRows(keys, values, pos, 1, fisher_k=w, fisher_v=w)
+    fisher = codebooks.fit(codebooks.Inputs(rows, scales, 0.0, [2]), cfg["fisher"]).tensors
+    query = codebooks.fit(codebooks.Inputs(rows, scales, 0.0, [2], qw), cfg["query-scale2"]).tensors
+    assert int((fisher["k_codebook_2"][0] < 0).sum()) == 2
+    assert query["k_codebook_2"][0][1:].tolist() == pytest.approx(ch1, abs=0.01)
+    assert torch.equal(fisher["v_codebook_2"], query["v_codebook_2"])
+    with pytest.raises(ValueError, match="query-scale2 needs the key query weights"):
+        codebooks.fit(codebooks.Inputs(rows, scales, 0.0, [2]), cfg["query-scale2"])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.codebooks_kmeans import _exact_centers, kmeans_1d_exact, kmeans_1d_lloyd, weighted_sse
+from stages.codebooks_kmeans import _exact_centers, kmeans_1d_binned, kmeans_1d_lloyd, weighted_sse
 
 
 def _t(a) -> torch.Tensor:
@@ -73,7 +73,7 @@ def _check_against_brute_force(x: np.ndarray, w: np.ndarray, k: int):
     c64 = _exact_centers(*_support(x, w), k)
     assert weighted_sse(_t(x), _t(w), _t(c64)) == pytest.approx(opt, rel=1e-9, abs=1e-12)
     # public float32 result: rounding a center by delta adds at most W * delta^2
-    c = kmeans_1d_exact(_t(x), _t(w), k)
+    c = kmeans_1d_binned(_t(x), _t(w), k)
     _check_codebook(c, k)
     delta = max(2.0**-24 * np.abs(x).max(), 2.0**-149)  # float32 rounding (relative, or subnormal)
     tol = 1e-9 * opt + w.sum() * delta**2 + 1e-12
@@ -148,21 +148,21 @@ def test_divide_and_conquer_matches_dense_dp(k):
 
 def test_hand_checkable():
     x, w = _t([0, 0, 1, 1, 10, 10]), torch.ones(6)
-    assert kmeans_1d_exact(x, w, 2).tolist() == [0.5, 10.0]
-    assert kmeans_1d_exact(x, w, 3).tolist() == [0.0, 1.0, 10.0]
+    assert kmeans_1d_binned(x, w, 2).tolist() == [0.5, 10.0]
+    assert kmeans_1d_binned(x, w, 3).tolist() == [0.0, 1.0, 10.0]
     assert kmeans_1d_lloyd(x, w, 3).tolist() == [0.0, 1.0, 10.0]
 
 
 def test_weights_matter():
-    c = kmeans_1d_exact(_t([0, 1]), _t([3, 1]), 1)
+    c = kmeans_1d_binned(_t([0, 1]), _t([3, 1]), 1)
     assert c.tolist() == [0.25]
     assert weighted_sse(_t([0, 1]), _t([3, 1]), c) == pytest.approx(3 * 0.25**2 + 0.75**2)
 
 
 def test_zero_weight_points_are_ignored():
     x, w = _t([0, 1, 2, 100]), _t([1, 1, 1, 0])
-    assert kmeans_1d_exact(x, w, 1).tolist() == [1.0]
-    assert kmeans_1d_exact(x, w, 3).tolist() == [0.0, 1.0, 2.0]
+    assert kmeans_1d_binned(x, w, 1).tolist() == [1.0]
+    assert kmeans_1d_binned(x, w, 3).tolist() == [0.0, 1.0, 2.0]
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +176,8 @@ def heavy_tailed():
 @pytest.mark.parametrize("k", [4, 8, 16])
 def test_exact_beats_lloyd_and_binning_is_close(heavy_tailed, k):
     x, w = heavy_tailed
-    binned = weighted_sse(x, w, kmeans_1d_exact(x, w, k))  # n_bins = 2048 < #distinct: binned
-    unbinned = weighted_sse(x, w, kmeans_1d_exact(x, w, k, n_bins=x.numel()))  # exact on raw data
+    binned = weighted_sse(x, w, kmeans_1d_binned(x, w, k))  # n_bins = 2048 < #distinct: binned
+    unbinned = weighted_sse(x, w, kmeans_1d_binned(x, w, k, n_bins=x.numel()))  # exact on raw data
     lloyd = weighted_sse(x, w, kmeans_1d_lloyd(x, w, k))
     assert unbinned <= binned * (1 + 1e-9)  # the unbinned result is the optimum
     assert binned <= unbinned * (1 + 1e-4)  # binning into 2048 bins costs very little
@@ -187,9 +187,9 @@ def test_exact_beats_lloyd_and_binning_is_close(heavy_tailed, k):
 
 def test_k16_2048_bins_is_fast(heavy_tailed):
     x, w = heavy_tailed
-    kmeans_1d_exact(x, w, 16)  # warm-up
+    kmeans_1d_binned(x, w, 16)  # warm-up
     start = time.perf_counter()
-    c = kmeans_1d_exact(x, w, 16, n_bins=2048)
+    c = kmeans_1d_binned(x, w, 16, n_bins=2048)
     assert time.perf_counter() - start < 1.0
     _check_codebook(c, 16)
 
@@ -199,7 +199,7 @@ def test_k16_2048_bins_is_fast(heavy_tailed):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [kmeans_1d_exact, kmeans_1d_lloyd])
+@pytest.mark.parametrize("fn", [kmeans_1d_binned, kmeans_1d_lloyd])
 def test_fewer_distinct_values_than_k(fn):
     c = fn(torch.full((10,), 0.5), torch.ones(10), 4)
     _check_codebook(c, 4)
@@ -214,13 +214,13 @@ def test_fewer_distinct_values_than_k(fn):
 
 def test_float32_collisions_are_separated():
     x = _t([1.0, 1.0 + 1e-12, 1.0 + 2e-12, 2.0])  # distinct in float64, equal in float32
-    c = kmeans_1d_exact(x, torch.ones(4), 3)
+    c = kmeans_1d_binned(x, torch.ones(4), 3)
     _check_codebook(c, 3)
 
 
 def test_low_precision_inputs():
     x = torch.linspace(-1, 1, 1000).to(torch.bfloat16)
-    c = kmeans_1d_exact(x, torch.ones(1000, dtype=torch.float16), 4)
+    c = kmeans_1d_binned(x, torch.ones(1000, dtype=torch.float16), 4)
     _check_codebook(c, 4)
 
 
@@ -231,7 +231,7 @@ def test_low_precision_inputs():
 _X, _W = _t([0.0, 0.5, 1.0]), torch.ones(3)
 
 
-@pytest.mark.parametrize("fn", [kmeans_1d_exact, kmeans_1d_lloyd])
+@pytest.mark.parametrize("fn", [kmeans_1d_binned, kmeans_1d_lloyd])
 @pytest.mark.parametrize(
     "x, w, k, match",
     [
@@ -255,7 +255,7 @@ def test_validation_errors(fn, x, w, k, match):
 
 def test_validation_errors_other_arguments():
     with pytest.raises(ValueError, match=r"n_bins must be an int >= 1; got 0"):
-        kmeans_1d_exact(_X, _W, 2, n_bins=0)
+        kmeans_1d_binned(_X, _W, 2, n_bins=0)
     with pytest.raises(ValueError, match=r"max_iter must be an int >= 1; got 0"):
         kmeans_1d_lloyd(_X, _W, 2, max_iter=0)
     with pytest.raises(ValueError, match=r"centers must have length >= 1"):
@@ -265,4 +265,4 @@ def test_validation_errors_other_arguments():
     with pytest.raises(ValueError, match=r"x must be finite; got 1 non-finite"):
         weighted_sse(_t([0, 1, float("inf")]), _W, _t([0.0]))
     with pytest.raises(ValueError, match=r"x must lie within the float32 range"):
-        kmeans_1d_exact(_t([0.0, 1e39]), _W[:2], 2)
+        kmeans_1d_binned(_t([0.0, 1e39]), _W[:2], 2)

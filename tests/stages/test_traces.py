@@ -40,16 +40,17 @@ def test_reservoir_fills_then_samples_uniformly():
 
 def _direct_projections(model, ids):
     """k_proj / v_proj outputs computed by hooks that the test owns: the stage must agree with them."""
-    keys, values = {}, {}
+    keys, values, queries = {}, {}, {}
     hs = []
     for i, layer in enumerate(model.model.layers):
         hs.append(layer.self_attn.k_proj.register_forward_hook(lambda m, a, o, i=i: keys.__setitem__(i, o[0].clone())))
         hs.append(layer.self_attn.v_proj.register_forward_hook(lambda m, a, o, i=i: values.__setitem__(i, o[0].clone())))
+        hs.append(layer.self_attn.q_proj.register_forward_hook(lambda m, a, o, i=i: queries.__setitem__(i, o[0].clone())))
     with torch.no_grad():
         model(ids[None])
     for h in hs:
         h.remove()
-    return keys, values
+    return keys, values, queries
 
 
 def test_traces_on_tiny_model_match_direct_activations(tiny, tiny_windows):
@@ -61,15 +62,17 @@ def test_traces_on_tiny_model_match_direct_activations(tiny, tiny_windows):
     direct = [_direct_projections(tiny.model, w) for w in windows]
     d = spec.head_dim
     for layer in range(spec.n_layers):
-        all_k = torch.cat([k[layer] for k, _ in direct]).view(-1, spec.n_kv_heads, d)
+        all_k = torch.cat([k[layer] for k, *_ in direct]).view(-1, spec.n_kv_heads, d)
         assert torch.allclose(t["k_pre_max"][layer], all_k.amax(0), atol=1e-5)
         assert torch.allclose(t["k_pre_min"][layer], all_k.amin(0), atol=1e-5)
         assert torch.allclose(t["k_pre_mean"][layer], all_k.mean(0), atol=1e-5)
+        all_q = torch.cat([q[layer] for _, _, q in direct]).view(-1, spec.n_q_heads, d)
+        assert torch.allclose(t["q_meansq"][layer], all_q.square().mean(0), rtol=1e-4, atol=1e-6)
     # every reservoir row is the activation of its (sample, position)
     assert t["res_k"].shape[0] == 32
     for r in range(32):
         s, p = int(t["res_sample"][r]), int(t["res_pos"][r])
-        k_dir, v_dir = direct[s]
+        k_dir, v_dir, _ = direct[s]
         assert torch.allclose(t["res_k"][r, 1].flatten(), k_dir[1][p], atol=1e-5)
         assert torch.allclose(t["res_v"][r, 0].flatten(), v_dir[0][p], atol=1e-5)
     # attention mass: probabilities, so within [0, 1]; position 0 is read by every query
