@@ -112,6 +112,7 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
                     help="development split: calibrate on the first half of valid.txt, evaluate on its second half "
                          "(test.txt untouched; for choosing a method before it is measured on the protocol)")
     ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2 | query-scale2")
+    ap.add_argument("--qnorm", action="store_true", help="codebooks.qnorm=true (KVQuant's Q-Norm on every codebook)")
     ap.add_argument("--perturb-seeds", type=int, default=4,
                     help="evaluate each quantized recipe under seeds 1..N of the cache-input perturbation (0: once, "
                          "unperturbed; the interval then covers the windows only)")
@@ -136,6 +137,7 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
                         perturb_scale=args.perturb_scale))
     if args.codebook_weighting:
         cfg.codebooks.weighting = args.codebook_weighting
+    cfg.codebooks.qnorm = bool(getattr(args, "qnorm", False))
     cfg.export.enabled = cfg.check.enabled = False
     cfg.sensitivity.enabled = cfg.probes.enabled = cfg.gate.enabled = False
     return cfg

@@ -68,6 +68,10 @@ NC_EPS = 1e-16            # TurboQuant norm correction: v / sqrt(sum v^2 + eps)
 MAX_OUTLIER_FRACTION = 0.1
 # TensorPolicy's calibrated tensors (what calibration fills in and the artifact stores), in artifact order
 CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
+# rotation of each (token, head) row before quantizing (our formats only): evaluation-only, an experiment the
+# artifact does not carry yet (exporters/rotation.py rotate_orthonormal)
+ROTATIONS = ("none", "hadamard")
+ROTATION_FORMATS = ("uniform", "nuq")
 
 
 class CodecError(ValueError):
@@ -84,6 +88,7 @@ class TensorPolicy:
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"
     norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
+    rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (evaluation only)
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
     zero: torch.Tensor | None = None        # [H, D]                               (nuq, axis=channel)
     range: torch.Tensor | None = None       # [H, D]                               (nuq, axis=channel)
@@ -107,6 +112,10 @@ class TensorPolicy:
                              f"{OUTLIER_FORMATS} do); allowed 0, got {self.outlier_fraction}")
         if self.norm_correction and self.format != "turbo_mse":
             raise CodecError(f"{where}.norm_correction applies to format turbo_mse only, got format {self.format}")
+        if self.rotation not in ROTATIONS:
+            raise CodecError(f"{where}.rotation must be one of {ROTATIONS}, got {self.rotation!r}")
+        if self.rotation != "none" and self.format not in ROTATION_FORMATS:
+            raise CodecError(f"{where}.rotation applies to formats {ROTATION_FORMATS} only, got format {self.format}")
         if self.format == "fp8" and self.fp8_dtype not in FP8:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
         if self.format == "uniform" and self.axis == "channel" and self.group_size < 1:
@@ -137,16 +146,19 @@ class TensorPolicy:
 
     @property
     def is_exportable(self) -> bool:
-        return self.axis in EXPORT_AXES.get(self.format, ())
+        return self.axis in EXPORT_AXES.get(self.format, ()) and self.rotation == "none"
 
 
 def check_exportable(p: TensorPolicy, where: str) -> None:
-    """Refuse an evaluation-only format where a policy is to be exported or served."""
-    if not p.is_exportable:
-        allowed = "; ".join(f"{f} (axis {'|'.join(a)})" for f, a in EXPORT_AXES.items())
+    """Refuse an evaluation-only format (or rotation) where a policy is to be exported or served."""
+    allowed = "; ".join(f"{f} (axis {'|'.join(a)})" for f, a in EXPORT_AXES.items())
+    if p.axis not in EXPORT_AXES.get(p.format, ()):
         raise CodecError(f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own "
                          f"format): the artifact, its Triton kernel and the serving cache take {allowed}; got "
                          f"format={p.format!r}, axis={p.axis!r}")
+    if p.rotation != "none":
+        raise CodecError(f"{where}.rotation: rotation {p.rotation} is evaluation-only (an experiment the artifact, its "
+                         f"Triton kernel and the serving cache do not carry); allowed 'none', got {p.rotation!r}")
 
 
 @dataclass
@@ -252,6 +264,8 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
         return _encode_fp8(x, p)
     if p.format in _PEER_CODECS:
         return _PEER_CODECS[p.format][0](x, p, where)
+    if p.rotation == "hadamard":  # everything below (outliers, scales, codes) lives in the rotated space
+        x = rotation.rotate_orthonormal(x)
     inlier, out_idx, out_val = x, None, None
     if p.outlier_fraction > 0:
         if p.axis == "channel":
@@ -303,6 +317,8 @@ def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     if e.n_outliers:
         b, h, tt, d = e.outlier_index.unbind(1)
         x = x.index_put((b, h, tt, d), e.outlier_value.float())
+    if p.rotation == "hadamard":
+        x = rotation.unrotate_orthonormal(x)
     return x
 
 

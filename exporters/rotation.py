@@ -77,3 +77,18 @@ def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """y [..., D] -> x = d * (H_b y) / b per block, float32: rht_inverse(rht(x)) == x up to float32 rounding."""
     yb, h, s, b = _blocks(y)
     return ((yb @ h) * s / b).reshape(y.shape)
+
+
+def rotate_orthonormal(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> y = H_b (d * x) / sqrt(b) per block of b: the randomized Hadamard transform made orthonormal
+    (|y| = |x|), the rotation kvcalib's evaluation-only `rotation: hadamard` applies before quantizing (QuaRot-style:
+    outlier channels spread over the block). Random signs make an isotropic per-element weight exact in
+    expectation: E[(R g)_c^2] = |g_block|^2 / b for any g."""
+    b = largest_power_of_two_divisor(x.shape[-1])
+    return rht(x) / math.sqrt(b)
+
+
+def unrotate_orthonormal(y: torch.Tensor) -> torch.Tensor:
+    """The inverse of rotate_orthonormal: x = d * (H_b y) / sqrt(b) per block, float32."""
+    b = largest_power_of_two_divisor(y.shape[-1])
+    return rht_inverse(y) * math.sqrt(b)

@@ -25,7 +25,7 @@ from pipeline.runner import Runner, Stage, peak_rss_mb
 from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
                     traces)
 from stages.base import StageResult
-from stages.calibration_rows import rows_for
+from stages.calibration_rows import block_mean, rows_for
 
 CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales", "outliers", "codebooks")
 
@@ -39,10 +39,13 @@ class CalibGroup:
     key_rope: str
     smooth: bool = False
     prefix: bool = False
+    rotate_k: bool = False   # keys / values rotated before quantizing (codec rotation "hadamard"; evaluation only)
+    rotate_v: bool = False
 
     @property
     def suffix(self) -> str:
         flags = ("-smooth" if self.smooth else "") + ("-prefix" if self.prefix else "")
+        flags += ("-rotk" if self.rotate_k else "") + ("-rotv" if self.rotate_v else "")
         return f"f{self.fraction:g}-s{self.n_sink}-{self.key_rope}{flags}"
 
     @property
@@ -55,7 +58,8 @@ class CalibGroup:
 
 
 def _group(q: QuantConfig) -> CalibGroup:
-    return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope, q.smooth, q.prefix)
+    return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope, q.smooth, q.prefix,
+                      q.key.rotation != "none", q.value.rotation != "none")
 
 
 def recipes_of(cfg: RunConfig) -> list[QuantConfig]:
@@ -94,7 +98,8 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
                 n_sink = max(n_sink, int(inp["prefix_tokens"].tensors["ids"].numel()))
             return rows_for(inp[g.traces].tensors, g.key_rope, model.model.rotary_emb, dtype, n_sink,
                             smooth=inp["smooth"].tensors["smooth"] if g.smooth else None,
-                            fisher=inp[g.fisher].tensors if with_fisher else None)
+                            fisher=inp[g.fisher].tensors if with_fisher else None,
+                            rotate_k=g.rotate_k, rotate_v=g.rotate_v)
 
         def fit_scales(inp, pr, g=g):
             return key_scales.fit(rows(inp, g), key_scales.KeyScalesConfig(outlier_fraction=g.fraction))
@@ -111,10 +116,14 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
                                                       spec.rope_pairing)
                 if g.smooth:  # the cache stores K / lambda: an error there is lambda times larger on K
                     query_w = query_w * inp["smooth"].tensors["smooth"].square()
+                if g.rotate_k:  # rotated keys: each rotated channel mixes its whole Hadamard block
+                    query_w = block_mean(query_w)
             return codebooks.fit(codebooks.Inputs(rows(inp, g, with_fisher=True), inp[ks].tensors, g.fraction, bits,
                                                   query_w), cfg.codebooks)
 
         group_cfg = {"fraction": g.fraction, "n_sink": g.n_sink, "rope": g.key_rope}
+        if g.rotate_k or g.rotate_v:  # only then: the unrotated groups' cache keys stay as they were
+            group_cfg["rotate"] = {"k": g.rotate_k, "v": g.rotate_v}
         stages += [Stage(ks, fit_scales, group_cfg, deps=[g.traces, *extra]),
                    Stage(ol, fit_outliers, group_cfg, deps=[g.traces, ks, *extra]),
                    Stage(cb, fit_codebooks, {**group_cfg, "bits": bits, "cfg": cfg.codebooks},

@@ -7,6 +7,10 @@ brought there first:
 - SmoothAttention recipes store K / lambda: keys are divided by lambda, and since dL/d(k / lambda) =
   lambda dL/dk, the Fisher of the stored element is F_k lambda^2 (RoPE pairs share lambda, so the order of
   rotation and division is free);
+- rotated tensors (`rotation: hadamard`, evaluation-only) are fitted on the rotated rows
+  (exporters.rotation.rotate_orthonormal, after smoothing and RoPE as the codec sees them); the Fisher of a
+  rotated element is taken as the mean Fisher of its row's Hadamard block: with random signs,
+  E[(R g)_c^2] = |g_block|^2 / b exactly, and the Fisher stage keeps squared gradients, not the gradients;
 - the first `n_sink` positions of every sample (sinks, or the whole full-precision prefix) are never
   quantized and are left out of every fit.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from exporters.rope import apply_rope, rotary_tables
+from exporters.rotation import largest_power_of_two_divisor, rotate_orthonormal
 from stages.base import InputError
 
 
@@ -47,19 +52,37 @@ def rotate_rows(k: torch.Tensor, res_pos: torch.Tensor, rotary, dtype: torch.dty
     return rot.view(n_layers, h, s, d).permute(2, 0, 1, 3).contiguous()
 
 
+def block_mean(f: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> each element replaced by the mean over its Hadamard block (rotate_orthonormal's blocks)."""
+    d = f.shape[-1]
+    b = largest_power_of_two_divisor(d)
+    blocks = f.reshape(*f.shape[:-1], d // b, b)
+    return blocks.mean(-1, keepdim=True).expand_as(blocks).reshape(f.shape)
+
+
 def rows_for(traces: dict[str, torch.Tensor], key_rope: str, rotary, dtype: torch.dtype, n_sink: int,
-             smooth: torch.Tensor | None = None, fisher: dict[str, torch.Tensor] | None = None) -> CalibrationRows:
+             smooth: torch.Tensor | None = None, fisher: dict[str, torch.Tensor] | None = None,
+             rotate_k: bool = False, rotate_v: bool = False) -> CalibrationRows:
     """traces: the traces stage's tensors (res_k, res_v, res_pos); fisher: the Fisher stage's (fisher_k,
     fisher_v) or None when the stage needs no weights; smooth: lambda [L, H, D] or None; rotary/dtype: the
-    model's rotary module and dtype (post-RoPE recipes)."""
-    k = traces["res_k"]
+    model's rotary module and dtype (post-RoPE recipes); rotate_k / rotate_v: the recipe rotates that tensor's
+    rows before quantizing (codec rotation "hadamard")."""
+    k, v = traces["res_k"], traces["res_v"]
     if smooth is not None:
         k = k / smooth[None]
     if key_rope == "post":
         k = rotate_rows(k, traces["res_pos"], rotary, dtype)
-    rows = CalibrationRows(k, traces["res_v"], traces["res_pos"], n_sink)
+    if rotate_k:
+        k = rotate_orthonormal(k)
+    if rotate_v:
+        v = rotate_orthonormal(v)
+    rows = CalibrationRows(k, v, traces["res_pos"], n_sink)
     if fisher is not None:
         rows.fisher_k, rows.fisher_v = fisher["fisher_k"], fisher["fisher_v"]
         if smooth is not None:
             rows.fisher_k = rows.fisher_k * smooth[None].square()
+        if rotate_k:
+            rows.fisher_k = block_mean(rows.fisher_k)
+        if rotate_v:
+            rows.fisher_v = block_mean(rows.fisher_v)
     return rows

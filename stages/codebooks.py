@@ -38,6 +38,8 @@ class CodebookConfig:
     seed: int = 0
     weighting: str = "fisher"          # fisher (KVQuant's public code) | fisher-scale2 (the paper's objective)
                                        # | query-scale2 (keys by the queries that read them; values by Fisher)
+    qnorm: bool = False                # KVQuant's Q-Norm: levels moved so the quantized points keep the mean and
+                                       # standard deviation of the points (see q_norm)
 
 
 WEIGHTINGS = ("fisher-scale2", "fisher", "query-scale2")
@@ -86,6 +88,30 @@ def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, t
     return xn[0].permute(1, 0, 2), mask[0].permute(1, 0, 2), rng[0].permute(1, 0, 2)
 
 
+def nearest_levels(x: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
+    """Each point's nearest level (ties to the lower one, as exporters.codec encodes)."""
+    mids = (centers[1:] + centers[:-1]) / 2
+    return centers[torch.bucketize(x.contiguous(), mids.contiguous())]
+
+
+def q_norm(x: torch.Tensor, centers: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    """KVQuant's Q-Norm (Hooper et al. 2024, sec. 3.6): quantization shrinks the spread of what is read back (a
+    centroid is the mean of its cell, so Var(Q(x)) = Var(x) - E[(x - Q(x))^2]); the levels are moved by one affine
+    map, c' = (c - mean Q(x)) * std(x) / std(Q(x)) + mean(x), so that the points quantized to them keep the
+    points' mean and standard deviation (unweighted: the activations as they are, not as the fit weighs them).
+    Offline, on the calibration points; order-preserving, so the codebook stays sorted. Our reading of the paper:
+    the statistics are taken once per codebook (per layer, K or V) on its normalized inliers.
+    -> (levels, shift, scale) with shift = mean(x) - mean(Q(x)) * scale."""
+    q = nearest_levels(x, centers).double()
+    xd = x.double()
+    sq = float(q.std())
+    if not sq > 0:
+        return centers, 0.0, 1.0
+    scale = float(xd.std()) / sq
+    shift = float(xd.mean()) - float(q.mean()) * scale
+    return (centers.double() * scale + shift).float(), shift, scale
+
+
 def _fit_one(x: torch.Tensor, w: torch.Tensor, k: int, cfg: CodebookConfig, gen: torch.Generator) -> tuple[torch.Tensor, dict]:
     """-> (the served codebook: binned optimum on all points, its report). Report keys: sse_binned / sse_lloyd:
     weighted SSE on all points of the served codebook and of Lloyd (seed cfg.seed, fitted on the subsample);
@@ -94,6 +120,9 @@ def _fit_one(x: torch.Tensor, w: torch.Tensor, k: int, cfg: CodebookConfig, gen:
         w = torch.ones_like(w)
     centers = kmeans_1d_binned(x, w, k, n_bins=cfg.n_bins)
     report = {"sse_binned": weighted_sse(x, w, centers), "points": int(x.numel())}
+    if cfg.qnorm:
+        centers, report["qnorm_shift"], report["qnorm_scale"] = q_norm(x, centers)
+        report["sse_qnorm"] = weighted_sse(x, w, centers)
     if cfg.lloyd_check:
         sub = torch.randperm(x.numel(), generator=gen)[: cfg.lloyd_max_points]
         xs, ws = x[sub], w[sub]

@@ -30,12 +30,13 @@ class TensorQuantConfig:
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"     # e4m3 | e5m2
     norm_correction: bool = False   # turbo_mse: TurboQuant's "nc" (unit-norm level vector at decode)
+    rotation: str = "none"          # none | hadamard (uniform / nuq; evaluation-only: each row rotated first)
 
     def to_policy(self) -> TensorPolicy:
         """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
         return TensorPolicy(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group_size,
                             outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype,
-                            norm_correction=self.norm_correction)
+                            norm_correction=self.norm_correction, rotation=self.rotation)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 
 import dataclasses
 
-from exporters.codec import (CALIBRATED_FIELDS, CodecError, TensorPolicy, decode, encode, encoded_bits, fake_quant,
+from exporters.codec import (CALIBRATED_FIELDS, CodecError, TensorPolicy, check_exportable, decode, encode, encoded_bits, fake_quant,
                              fp8_scale_from_amax, pack_codes, static_bits, stored_bits, token_outlier_bounds,
                              unpack_codes)
 
@@ -200,3 +200,33 @@ def test_ties_go_to_the_lower_level():
     book = torch.tensor([-1.0, -0.5, 0.5, 1.0])
     p = TensorPolicy(format="nuq", bits=2, axis="channel", codebook=book, zero=torch.zeros(1, 1), range=torch.ones(1, 1))
     assert encode(t4([[0.75], [0.0], [-0.75]]), p).codes.flatten().tolist() == [2, 1, 0]
+
+
+def test_rotation_quantizes_the_rotated_row_and_rotates_back():
+    """rotation "hadamard": encode(x) is the unrotated encoding of the rotated row, decode rotates back; an
+    outlier channel spread over the block costs less error per token."""
+    from exporters import rotation
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 16, 64, generator=gen)
+    x[..., 7] *= 30                                                  # one outlier channel
+    cb = torch.linspace(-1, 1, 8)
+    plain = TensorPolicy(format="nuq", bits=3, axis="token", codebook=cb)
+    rot = TensorPolicy(format="nuq", bits=3, axis="token", codebook=cb, rotation="hadamard")
+    e_rot, e_ref = encode(x, rot), encode(rotation.rotate_orthonormal(x), plain)
+    assert torch.equal(e_rot.codes, e_ref.codes) and torch.equal(e_rot.scale, e_ref.scale)
+    assert torch.allclose(decode(e_rot, rot), rotation.unrotate_orthonormal(decode(e_ref, plain)), atol=1e-6)
+    err_rot = (fake_quant(x, rot)[0] - x).square().mean()
+    err_plain = (fake_quant(x, plain)[0] - x).square().mean()
+    assert err_rot < 0.5 * err_plain
+    assert encoded_bits(e_rot, rot) == encoded_bits(e_ref, plain)   # rotation costs no stored bits
+
+
+def test_rotation_is_refused_where_it_does_not_apply_and_where_a_policy_is_exported():
+    with pytest.raises(CodecError, match=r"k\.rotation must be one of \('none', 'hadamard'\), got 'givens'"):
+        TensorPolicy(format="uniform", bits=4, axis="token", rotation="givens").validate_config("k")
+    with pytest.raises(CodecError, match=r"k\.rotation applies to formats \('uniform', 'nuq'\) only, got format fp8"):
+        TensorPolicy(format="fp8", bits=8, axis="tensor", rotation="hadamard").validate_config("k")
+    p = TensorPolicy(format="uniform", bits=4, axis="token", rotation="hadamard")
+    assert not p.is_exportable
+    with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only.*got 'hadamard'"):
+        check_exportable(p, "quant.key")

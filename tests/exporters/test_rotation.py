@@ -104,3 +104,28 @@ def test_lloyd_max_levels_are_conditional_means_of_their_cells():
     cell = torch.bucketize(x, edges[1:-1])
     means = torch.stack([(x * w)[cell == i].sum() / w[cell == i].sum() for i in range(8)])
     assert (means - levels).abs().max() < 1e-3 * sigma
+
+
+@pytest.mark.parametrize("d", [64, 96])
+def test_orthonormal_rht_keeps_norms_and_inverts(d):
+    x = torch.randn(3, 2, 5, d, generator=torch.Generator().manual_seed(0))
+    y = rotation.rotate_orthonormal(x)
+    b = rotation.largest_power_of_two_divisor(d)
+    # per Hadamard block the norm is kept (64: one block; 96: three blocks of 32)
+    xb, yb = x.view(*x.shape[:-1], d // b, b), y.view(*y.shape[:-1], d // b, b)
+    assert torch.allclose(yb.norm(dim=-1), xb.norm(dim=-1), rtol=1e-5)
+    assert torch.allclose(rotation.unrotate_orthonormal(y), x, atol=1e-5)
+
+
+def test_orthonormal_rht_is_the_signed_normalized_sylvester_matrix():
+    """y = H_4 (d * x) / 2 on a hand-checkable row: e_0 maps to d_0 * (1, 1, 1, 1) / 2."""
+    d = rotation.rht_signs(4)
+    y = rotation.rotate_orthonormal(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert y.tolist() == [[float(d[0]) / 2] * 4]
+
+
+def test_an_outlier_channel_is_spread_over_the_block():
+    x = torch.zeros(1, 64)
+    x[0, 5] = 8.0
+    y = rotation.rotate_orthonormal(x)
+    assert torch.allclose(y.abs(), torch.full((1, 64), 1.0))   # 8 / sqrt(64) in every channel

@@ -1,3 +1,4 @@
+import math
 import pytest
 import torch
 
@@ -204,3 +205,60 @@ def test_every_recipe_file_loads():
         assert q.name == name
     with pytest.raises(ValueError, match="quant recipe must be one of"):
         load_recipe("int7")
+
+
+def test_q_norm_keeps_the_mean_and_spread_of_the_points():
+    """Points 0, 1, 2, 3 with levels {0.5, 2.5}: Q(x) = 0.5, 0.5, 2.5, 2.5 has the points' mean 1.5 but std
+    1.155 (sample) against 1.291; Q-Norm scales the levels about the mean by 1.291 / 1.155 = sqrt(5/4)."""
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    levels, shift, scale = codebooks.q_norm(x, torch.tensor([0.5, 2.5]))
+    assert scale == pytest.approx(math.sqrt(5 / 4))
+    assert levels.tolist() == pytest.approx([1.5 - math.sqrt(5 / 4), 1.5 + math.sqrt(5 / 4)])
+    q = codebooks.nearest_levels(x, levels)
+    assert float(q.mean()) == pytest.approx(1.5) and float(q.std()) == pytest.approx(float(x.std()))
+    same, _, unit = codebooks.q_norm(torch.ones(5), torch.tensor([0.0, 1.0]))   # no spread: unchanged
+    assert unit == 1.0 and same.tolist() == [0.0, 1.0]
+
+
+def test_codebooks_with_q_norm_stay_sorted_and_report_the_map():
+    gen = torch.Generator().manual_seed(0)
+    s, d = 400, 8
+    keys, values = torch.randn(s, 1, 1, d, generator=gen) * 3 + 1, torch.randn(s, 1, 1, d, generator=gen)
+    pos = torch.arange(s) + 1
+    scales = _scales(keys, pos).tensors
+    w = torch.ones(s, 1, 1, d)
+    cfg = codebooks.CodebookConfig(n_bins=256, lloyd_check=False)
+    plain = _codebooks(keys, values, w, pos, scales, [2], cfg)
+    normed = _codebooks(keys, values, w, pos, scales, [2], codebooks.CodebookConfig(n_bins=256, lloyd_check=False,
+                                                                                   qnorm=True))
+    k_plain, k_norm = plain.tensors["k_codebook_2"][0], normed.tensors["k_codebook_2"][0]
+    rep = normed.meta["sse"]["k2"][0]
+    assert (k_norm.diff() > 0).all() and rep["qnorm_scale"] > 1          # quantizing shrank the spread
+    assert k_norm.tolist() == pytest.approx((k_plain * rep["qnorm_scale"] + rep["qnorm_shift"]).tolist(), abs=1e-6)
+    assert rep["sse_qnorm"] >= rep["sse_binned"]                         # k-means was the MSE optimum
+
+
+def test_rotated_rows_and_their_fisher():
+    """rows_for with rotate_k / rotate_v: the codec's rotation of each row, and each element's Fisher replaced by
+    its row's mean over the Hadamard block."""
+    from exporters.rotation import rotate_orthonormal
+    from stages.calibration_rows import block_mean, rows_for
+    gen = torch.Generator().manual_seed(0)
+    tr = {"res_k": torch.randn(6, 2, 1, 8, generator=gen), "res_v": torch.randn(6, 2, 1, 8, generator=gen),
+          "res_pos": torch.arange(6)}
+    f = {"fisher_k": torch.rand(6, 2, 1, 8, generator=gen), "fisher_v": torch.rand(6, 2, 1, 8, generator=gen)}
+    rows = rows_for(tr, "pre", None, torch.float32, 1, fisher=f, rotate_k=True)
+    assert torch.equal(rows.keys, rotate_orthonormal(tr["res_k"])) and torch.equal(rows.values, tr["res_v"])
+    assert torch.allclose(rows.fisher_k, f["fisher_k"].mean(-1, keepdim=True).expand(6, 2, 1, 8))
+    assert torch.equal(rows.fisher_v, f["fisher_v"])
+    assert block_mean(torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.0, 4.0]])).tolist() == [[2.0, 2.0, 2.0, 2.0, 2.0, 2.0]]
+    rows = rows_for(tr, "pre", None, torch.float32, 1, fisher=f, rotate_v=True)
+    assert torch.equal(rows.values, rotate_orthonormal(tr["res_v"])) and torch.equal(rows.keys, tr["res_k"])
+
+
+def test_rotated_recipes_are_evaluation_only():
+    q = load_recipe("kvquant-3b-1pct+rot")
+    assert q.key.rotation == q.value.rotation == "hadamard"
+    assert not recipe.is_exportable_recipe(q)
+    with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only"):
+        recipe.check_exportable_recipe(q)
