@@ -212,7 +212,7 @@ def token_outlier_bounds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor
     """Per token over all heads: the fraction/2 and 1 - fraction/2 quantiles. -> two [B, 1, T, 1] tensors."""
     b, h, t, d = x.shape
     rows = x.float().permute(0, 2, 1, 3).reshape(b * t, h * d)
-    q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=rows.dtype)
+    q = torch.tensor([fraction / 2, 1 - fraction / 2], dtype=rows.dtype, device=rows.device)
     lo, hi = torch.quantile(rows, q, dim=1)                               # [B*T] each
     return lo.view(b, 1, t, 1), hi.view(b, 1, t, 1)
 
@@ -466,11 +466,11 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
             packed |= parts[:, :, j] << (bits * j)
         return packed.view(*lead, n_bytes)
     flat = codes.reshape(-1, d).to(torch.int64)
-    bit_pos = torch.arange(d) * bits
-    out = torch.zeros(flat.shape[0], n_bytes * 8, dtype=torch.int64)
+    bit_pos = torch.arange(d, device=codes.device) * bits
+    out = torch.zeros(flat.shape[0], n_bytes * 8, dtype=torch.int64, device=codes.device)
     for k in range(bits):
         out[:, bit_pos + k] = (flat >> k) & 1
-    weights = (2 ** torch.arange(8)).view(1, 1, 8)
+    weights = (2 ** torch.arange(8, device=codes.device)).view(1, 1, 8)
     packed = (out.view(flat.shape[0], n_bytes, 8) * weights).sum(-1).to(torch.uint8)
     return packed.view(*lead, n_bytes)
 
@@ -480,12 +480,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     if 8 % bits == 0:
         per, mask = 8 // bits, (1 << bits) - 1
         flat = packed.reshape(-1, n_bytes, 1)
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = ((flat >> shifts) & mask).view(-1, n_bytes * per)[:, :d]
         return codes.reshape(*lead, d)
     flat = packed.reshape(-1, n_bytes).to(torch.int64)
-    bit_stream = ((flat[:, :, None] >> torch.arange(8)) & 1).view(flat.shape[0], n_bytes * 8)
-    bit_pos = torch.arange(d) * bits
+    bit_stream = ((flat[:, :, None] >> torch.arange(8, device=packed.device)) & 1).view(flat.shape[0], n_bytes * 8)
+    bit_pos = torch.arange(d, device=packed.device) * bits
     codes = sum(bit_stream[:, bit_pos + k] << k for k in range(bits))
     return codes.to(torch.uint8).view(*lead, d)
 

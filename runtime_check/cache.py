@@ -1,10 +1,15 @@
 """A transformers Cache that holds K/V in the exported format and decodes through exporters.codec.
 
-Storage per layer: sink rows (fp16), encoded blocks (codes packed into bytes, fp16 scales / zero-points, sparse
+Storage per layer: sink rows (fp16), encoded rows (codes packed into bytes, fp16 scales / zero-points, sparse
 outliers as fp16 values + int16 in-row indices + int16 per-row counts; fp8 or fp16 rows for those formats), and
-a full-precision residual buffer. Keys arrive post-RoPE (transformers 5 passes no cos/sin to Cache.update); for a
-pre-RoPE artifact the cache inverts RoPE at the stored positions with the model's own rotary module before
-encoding and re-applies it after decoding. SmoothAttention: the cache stores K / lambda and multiplies back.
+a full-precision residual buffer. The encoded rows of K and of V are held in pages of `page` rows (PagedRows;
+K and V pages cover the same rows): each page is a StoredBlock laid out as docs/manifest.md describes the cache,
+for its own rows (its outlier counts and t-major outlier list included); full pages are never touched again
+and the last is a preallocated buffer the new rows are copied into, so storing a row copies that row only and
+no second copy of the history is ever made. `layer.k_block` / `v_block` view the pages (PagedBlock).
+Keys arrive post-RoPE (transformers 5 passes no cos/sin to Cache.update); for a pre-RoPE artifact the cache
+inverts RoPE at the stored positions with the model's own rotary module before encoding and re-applies it after
+decoding. SmoothAttention: the cache stores K / lambda and multiplies back.
 
 Flushing: per-token formats encode every row that leaves the residual window; per-channel groups (KIVI) encode
 `group_size` rows at a time once the buffer holds residual + group_size rows.
@@ -13,9 +18,18 @@ Beyond `update`, the cache does what transformers' generation asks of it: `reset
 `reorder_cache` / `batch_select_indices` / `batch_repeat_interleave` (beam search: every stored row, encoded or
 fp16, follows its sequence), `crop(0)`. What it cannot do faithfully it refuses by name (NotImplementedError):
 `crop` of any tokens (flushed rows cannot return to the residual window) and `offload` / `prefetch`.
+
+Two ways to serve it (`ArtifactCache(..., attention=...)`):
+- "materialize" (the default for a cache built directly): `update` returns every cached row decoded
+  (`ArtifactLayer.materialize`), [B, H, T, D] in the model's dtype, for the model's own attention.
+- "blockwise": `update` stores the new rows and returns them alone; the attention is runtime_check/blockwise.py's,
+  which reads the stored form one block of positions at a time, so no full-precision copy of the history is
+  ever made. It must be installed: `runtime_check.blockwise.serving(model, cache)` (a context manager) or
+  `generate(...)` below (whose default it is); a block-wise cache updated without it refuses (InputError).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +39,12 @@ from exporters.codec import (CachePolicy, Encoded, TensorPolicy, check_exportabl
                             static_bits, unpack_codes)
 from exporters.rope import apply_rope, invert_rope
 from stages.base import InputError
+
+ATTENTION_MODES = ("blockwise", "materialize")
+HELD_KINDS = ("codes", "scales_zero_points", "outliers", "sink", "residual", "static")  # accounting(): sum = nbytes
+PREFILL_MODES = ("full", "stored")   # what a chunk of T_q > 1 new tokens reads for its own rows (blockwise)
+BLOCK = 1024                         # positions per block of the block-wise attention
+PAGE = 1024                          # encoded rows per page of a layer's stored K or V (see PagedRows)
 
 
 @dataclass
@@ -63,16 +83,262 @@ def store(e: Encoded, p: TensorPolicy, start: int) -> StoredBlock:
 
 # the axis along which each stored tensor grows when rows are appended
 _GROW_DIM = {"dense": 2, "codes": 2, "scale": 2, "zero": 2, "outlier_count": 0, "outlier_index": 0, "outlier_value": 0}
+_OUTLIER_LISTS = ("outlier_index", "outlier_value")  # flat, t-major: as long as the rows' outliers, not the rows
+
+
+def _rows_per_entry(name: str, p: TensorPolicy) -> int:
+    """Rows per entry of a stored tensor along its growing axis: a per-channel group's scale covers group_size."""
+    if name in ("scale", "zero") and p.format == "uniform" and p.axis == "channel":
+        return p.group_size
+    return 1
+
+
+def join(blocks) -> StoredBlock:
+    """Consecutive runs of rows as the one block `store` gives for all of them (one torch.cat per tensor: a copy of
+    every row, for readers where size does not matter -- the oracle, the runtime check, a test)."""
+    blocks = list(blocks)
+    if len(blocks) == 1:
+        return blocks[0]
+    first, (b, h, _, d) = blocks[0], blocks[0].shape
+    for prev, nxt in zip(blocks, blocks[1:]):
+        assert nxt.start == prev.start + prev.shape[2], "blocks must be contiguous"
+    tensors = {k: torch.cat([blk.tensors[k] for blk in blocks], _GROW_DIM[k]) for k in first.tensors}
+    return StoredBlock(first.start, (b, h, sum(blk.shape[2] for blk in blocks), d), tensors)
 
 
 def append(block: StoredBlock | None, new: StoredBlock) -> StoredBlock:
-    """Rows [start, start+n) followed by the next rows: one block per layer, so decoding is one call."""
+    """Rows [start, start+n) followed by the next rows, as one block (a copy of both: see `join`; the cache itself
+    never appends this way, see PagedRows)."""
+    return new if block is None else join([block, new])
+
+
+@dataclass(frozen=True)
+class PagedBlock:
+    """One layer's encoded K or V rows as consecutive pages, each a StoredBlock laid out as `store` lays out its
+    rows alone (docs/manifest.md's layout, per page: codes, scales / zero-points or groups, outlier counts [T_q, B]
+    and the page's own t-major outlier list). Readers that care about size iterate `pages` (runtime_check/
+    blockwise.py, the Triton kernel's decode_attention); `start`, `shape`, `nbytes` describe the whole, and
+    `tensors` is the whole as one block (`join`: a copy, for the oracle and checks)."""
+    pages: tuple[StoredBlock, ...]
+
+    @property
+    def start(self) -> int:
+        return self.pages[0].start
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h, _, d = self.pages[0].shape
+        return b, h, sum(p.shape[2] for p in self.pages), d
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return join(self.pages).tensors
+
+
+def pages_of(block: StoredBlock | PagedBlock | None) -> tuple[StoredBlock, ...]:
+    """The pages of a stored side in position order: a PagedBlock's pages, a plain StoredBlock as its one page."""
     if block is None:
-        return new
-    assert new.start == block.start + block.shape[2], "blocks must be contiguous"
-    b, h, t, d = block.shape
-    tensors = {k: torch.cat([block.tensors[k], new.tensors[k]], _GROW_DIM[k]) for k in block.tensors}
-    return StoredBlock(block.start, (b, h, t + new.shape[2], d), tensors)
+        return ()
+    return block.pages if isinstance(block, PagedBlock) else (block,)
+
+
+def reserved_bytes(blocks) -> int:
+    """Bytes the tensors' storages hold beyond the rows the blocks describe (the unused capacity of a page
+    buffer), each storage counted once."""
+    storages: dict[int, int] = {}
+    used = 0
+    for blk in blocks:
+        for t in blk.tensors.values():
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            used += t.numel() * t.element_size()
+    return sum(storages.values()) - used
+
+
+OUTLIER_SLACK = 1.25  # a page's outlier capacity: its rows x the expected per-row count (running rate) x this
+
+
+class _OpenPage:
+    """The page rows are being appended to: capacity buffers [B, H, cap, ...] (per-channel groups: cap / G
+    entries), outlier counts [cap, B] and outlier lists of `out_cap` entries, filled in place from row 0."""
+
+    def __init__(self, first: StoredBlock, p: TensorPolicy, cap: int, out_cap: int):
+        b, h, _, d = first.shape
+        self.p, self.start, self.b, self.h, self.d = p, first.start, b, h, d
+        self.cap, self.rows, self.n_out = cap, 0, 0
+        self.buf: dict[str, torch.Tensor] = {}
+        for name, t in first.tensors.items():
+            if name in _OUTLIER_LISTS:
+                size = (out_cap,)
+            elif name == "outlier_count":
+                size = (cap, t.shape[1])
+            else:
+                size = (*t.shape[:2], cap // _rows_per_entry(name, p), *t.shape[3:])
+            self.buf[name] = torch.empty(size, dtype=t.dtype, device=t.device)
+
+    @property
+    def out_cap(self) -> int:
+        return self.buf["outlier_value"].numel() if "outlier_value" in self.buf else 0
+
+    def room(self) -> int:
+        return self.cap - self.rows
+
+    def write(self, blk: StoredBlock) -> None:
+        """blk's rows after the rows held: every tensor copied into its slot, nothing held moves -- except, when
+        blk's outliers overflow the page's outlier capacity, the page's own outlier lists (a copy bounded by
+        one page: never of another page)."""
+        n = blk.shape[2]
+        if blk.start != self.start + self.rows or n > self.room() or blk.shape[:2] != (self.b, self.h):
+            raise ValueError(f"page at {self.start} holding {self.rows}/{self.cap} rows of batch {self.b}: cannot "
+                             f"take {n} rows at {blk.start} of batch {blk.shape[0]}")
+        s = blk.tensors
+        if any(self.rows % _rows_per_entry(name, self.p) for name in s):
+            raise ValueError(f"page at {self.start}: {self.rows} rows held, not whole groups of {self.p.group_size}: "
+                             f"per-channel groups must be appended whole")
+        m = int(s["outlier_value"].numel()) if "outlier_value" in s else 0
+        if self.n_out + m > self.out_cap:
+            grow = max(2 * self.out_cap, self.n_out + m)
+            for name in _OUTLIER_LISTS:
+                old = self.buf[name]
+                self.buf[name] = torch.empty(grow, dtype=old.dtype, device=old.device)
+                self.buf[name][:self.n_out].copy_(old[:self.n_out])
+        for name, t in s.items():
+            if name in _OUTLIER_LISTS:
+                self.buf[name][self.n_out:self.n_out + m].copy_(t)
+            elif name == "outlier_count":
+                self.buf[name][self.rows:self.rows + n].copy_(t)
+            else:
+                a = self.rows // _rows_per_entry(name, self.p)
+                self.buf[name][:, :, a:a + t.shape[2]].copy_(t)
+        self.rows += n
+        self.n_out += m
+
+    def view(self) -> StoredBlock:
+        """The rows held, as `store` lays them out: views of the buffers (no copy)."""
+        out = {}
+        for name, t in self.buf.items():
+            if name in _OUTLIER_LISTS:
+                out[name] = t[:self.n_out]
+            elif name == "outlier_count":
+                out[name] = t[:self.rows]
+            else:
+                out[name] = t[:, :, :-(-self.rows // _rows_per_entry(name, self.p))]
+        return StoredBlock(self.start, (self.b, self.h, self.rows, self.d), out)
+
+
+class PagedRows:
+    """One layer's encoded K (or V) rows, in pages of `page` rows: full pages are never touched again, the last
+    page is a preallocated buffer that rows are copied into, so appending rows copies only the new rows and never
+    holds a second copy of the stored ones. Capacity grows one page at a time; `reserved_bytes` is the capacity
+    allocated but holding nothing: the open page's unused rows, and every page's unused outlier slots (a page's
+    outlier lists are sized at opening from the rate seen so far, OUTLIER_SLACK above it; on overflow the open
+    page's lists alone move to a buffer twice as large)."""
+
+    def __init__(self, p: TensorPolicy, page: int):
+        self.p, self.page = p, page
+        self.sealed: list[StoredBlock] = []       # full pages, as views of their buffers
+        self.open: _OpenPage | None = None
+        self.rows = self.n_out = 0                 # held in all pages
+
+    def room(self) -> int:
+        """Rows the open page still takes (a whole page when none is open)."""
+        return self.page if self.open is None else self.open.room()
+
+    def _out_capacity(self, blk: StoredBlock) -> int:
+        """Outlier slots of a new page: its rows x the per-(token, sequence)-row count expected -- the larger of
+        the policy's fraction of the row's H*D entries and the rate seen so far, blk included -- x the slack."""
+        if "outlier_value" not in blk.tensors:
+            return 0
+        b, h, n, d = blk.shape
+        m = int(blk.tensors["outlier_value"].numel())
+        rate = max(self.p.outlier_fraction * h * d, (self.n_out + m) / (b * (self.rows + n)))
+        return max(m, int(OUTLIER_SLACK * rate * b * self.page) + 1)
+
+    def write(self, blk: StoredBlock) -> None:
+        """blk (at most room() rows, following the rows held) into the open page; a full page is sealed."""
+        if self.rows and blk.start != self._first() + self.rows:
+            raise ValueError(f"rows must be appended in order: {self.rows} rows held from position "
+                             f"{self._first()}, got rows at {blk.start}")
+        if self.open is None:
+            self.open = _OpenPage(blk, self.p, self.page, self._out_capacity(blk))
+        self.open.write(blk)
+        self.rows += blk.shape[2]
+        self.n_out += int(blk.tensors["outlier_value"].numel()) if "outlier_value" in blk.tensors else 0
+        if self.open.room() == 0:
+            self.sealed.append(self.open.view())
+            self.open = None
+
+    def _first(self) -> int:
+        """Position of the first row held (rows > 0)."""
+        return self.sealed[0].start if self.sealed else self.open.start
+
+    def pages(self) -> tuple[StoredBlock, ...]:
+        return (*self.sealed, *(() if self.open is None else (self.open.view(),)))
+
+    def view(self) -> PagedBlock | None:
+        pages = self.pages()
+        return PagedBlock(pages) if pages else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages())
+
+    def reserved_bytes(self) -> int:
+        return reserved_bytes(self.pages())
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep the sequences idx (see select_batch), page by page in place: one page is gathered at a time, so
+        the old and the new form coexist for one page only (and for nothing a reader still holds)."""
+        for i, page in enumerate(self.sealed):
+            self.sealed[i] = select_batch(page, idx)
+        if self.open is not None:
+            held = select_batch(self.open.view(), idx)
+            self.open = _OpenPage(held, self.p, self.page, self._out_capacity(held))
+            self.open.write(held)
+        self.n_out = sum(n_outliers(p) for p in self.pages())
+
+
+def n_outliers(block: StoredBlock | PagedBlock) -> int:
+    """Sparse outliers the block (every page of it) stores (0 for a format without them)."""
+    if isinstance(block, PagedBlock):
+        return sum(n_outliers(p) for p in block.pages)
+    values = block.tensors.get("outlier_value")
+    return 0 if values is None else int(values.numel())
+
+
+def slice_rows(block: StoredBlock, a: int, b: int, p: TensorPolicy, outlier_start: int | None = None) -> StoredBlock:
+    """Rows [a, b) of the block (block-relative), as `store` lays out those rows alone: views of the packed codes /
+    dense rows and of the per-token scales, the per-channel groups covering the rows (a must start a group:
+    a % group_size == 0; a partial last group is decoded only as far as b), and the sparse outliers of those
+    rows -- a contiguous run of the t-major outlier list, from the prefix sum of the per-row counts.
+    outlier_start: outliers stored in rows [0, a) when the caller already knows it (a running sum over
+    consecutive slices), else summed here. Nothing is decoded or copied beyond the outlier counts' sum."""
+    bsz, h, t, d = block.shape
+    if not 0 <= a <= b <= t:
+        raise ValueError(f"slice_rows: rows [{a}, {b}) are not within the block's {t} rows")
+    s = block.tensors
+    out: dict[str, torch.Tensor] = {}
+    for name in ("dense", "codes"):
+        if name in s:
+            out[name] = s[name][:, :, a:b]
+    grouped = p.format == "uniform" and p.axis == "channel"
+    if grouped and a % p.group_size:
+        raise ValueError(f"slice_rows: per-channel groups of {p.group_size} rows: a slice must start on a group "
+                         f"boundary, got row {a}")
+    for name in ("scale", "zero"):
+        if name in s:
+            out[name] = s[name][:, :, a // p.group_size:-(-b // p.group_size)] if grouped else s[name][:, :, a:b]
+    if "outlier_count" in s:
+        counts = s["outlier_count"]                                          # [T, B]: row t * B + b
+        lo = int(counts[:a].sum()) if outlier_start is None else int(outlier_start)
+        n = int(counts[a:b].sum())
+        out["outlier_count"] = counts[a:b]
+        out["outlier_index"] = s["outlier_index"][lo:lo + n]
+        out["outlier_value"] = s["outlier_value"][lo:lo + n]
+    return StoredBlock(block.start + a, (bsz, h, b - a, d), out)
 
 
 def load(block: StoredBlock, p: TensorPolicy) -> Encoded:
@@ -86,7 +352,7 @@ def load(block: StoredBlock, p: TensorPolicy) -> Encoded:
             setattr(e, name, s[name].float())
     if "outlier_count" in s:
         counts = s["outlier_count"].long().flatten()          # [T * B], t-major
-        row = torch.repeat_interleave(torch.arange(b * t), counts)
+        row = torch.repeat_interleave(torch.arange(b * t, device=counts.device), counts)
         in_row = s["outlier_index"].long()
         e.outlier_index = torch.stack([row % b, in_row // d, row // b, in_row % d], dim=1)
         e.outlier_value = s["outlier_value"]
@@ -101,12 +367,15 @@ def _take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, idx)
 
 
-def select_batch(block: StoredBlock | None, idx: torch.Tensor) -> StoredBlock | None:
+def select_batch(block: StoredBlock | PagedBlock | None, idx: torch.Tensor) -> StoredBlock | PagedBlock | None:
     """The block of the sequences idx [B'] (any order, repeats allowed): the block `store` gives for the batch
-    x[idx]. Codes, dense rows, scales and zero-points carry the batch in dim 0; sparse outliers are a flat list in
-    row order (row = t * B + b, see `store`), so whole rows of it are gathered in the new order."""
+    x[idx] (a PagedBlock: page by page). Codes, dense rows, scales and zero-points carry the batch in dim 0; sparse
+    outliers are a flat list in row order (row = t * B + b, see `store`), so whole rows of it are gathered in the
+    new order."""
     if block is None:
         return None
+    if isinstance(block, PagedBlock):
+        return PagedBlock(tuple(select_batch(p, idx) for p in block.pages))
     b, h, t, d = block.shape
     idx = idx.to(torch.long).cpu()
     out = {k: _take(v, idx) for k, v in block.tensors.items() if _GROW_DIM[k] == 2}  # the [B, H, T, ...] ones
@@ -133,16 +402,32 @@ class ArtifactLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer: int, policy: CachePolicy, rope_fn, max_positions: int):
+    def __init__(self, layer: int, policy: CachePolicy, rope_fn, max_positions: int, rotary=None,
+                 attention: str = "materialize", page: int = PAGE):
         super().__init__()
         self.layer, self.policy, self.rope_fn, self.max_positions = layer, policy, rope_fn, max_positions
+        self.rotary = rotary                 # the model's rotary module (the block-wise attention's RoPE tables)
+        self.attention = attention           # "materialize" | "blockwise" (see the module docstring)
+        self.served = False                  # blockwise: the block-wise attention is installed (blockwise.serving)
         self.pk, self.pv = policy.layers[layer]
         self.cumulative_length = 0
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None       # post-RoPE K, V rows (fp16)
         self.recent: tuple[torch.Tensor, torch.Tensor] | None = None     # post-RoPE K, V rows (fp16)
-        self.k_block: StoredBlock | None = None
-        self.v_block: StoredBlock | None = None
+        # pages of whole per-channel groups of both K and V, so K and V pages cover the same rows
+        groups = math.lcm(*(p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
+                            for p in (self.pk, self.pv)))
+        self.page = -(-page // groups) * groups
+        self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
         self.dtype = torch.float32
+
+    @property
+    def k_block(self) -> PagedBlock | None:
+        """The encoded key rows (None before any row is encoded): pages, as views of what is stored."""
+        return self.k_rows.view()
+
+    @property
+    def v_block(self) -> PagedBlock | None:
+        return self.v_rows.view()
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -164,7 +449,11 @@ class ArtifactLayer(CacheLayerMixin):
         held = [t for pair in (self.sink, self.recent) if pair is not None for t in pair]
         return (sum(t.numel() * t.element_size() for t in held)
                 + sum(static_bits(p) for p in (self.pk, self.pv)) // 8
-                + sum(b.nbytes for b in (self.k_block, self.v_block) if b is not None))
+                + self.k_rows.nbytes + self.v_rows.nbytes)
+
+    def reserved_bytes(self) -> int:
+        """Page capacity allocated but holding no row yet (not part of nbytes)."""
+        return self.k_rows.reserved_bytes() + self.v_rows.reserved_bytes()
 
     # -- the cache ABI ----------------------------------------------------------------------------------------
     def _lambda(self) -> torch.Tensor | None:
@@ -173,16 +462,25 @@ class ArtifactLayer(CacheLayerMixin):
         return self.policy.smooth[self.layer].float()[None, :, None, :]
 
     def _encode_rows(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """k post-RoPE, v: [B, H, n, D] rows at positions start..start+n-1 -> stored blocks."""
-        k = k.float()
-        if self.policy.key_rope == "pre":
-            cos, sin = self.rope_fn(start, k.shape[2])
-            k = invert_rope(k, cos, sin)
+        """k post-RoPE, v: [B, H, n, D] rows at positions start..start+n-1 -> the stored pages, encoded a page's
+        room at a time (every format encodes rows, or whole per-channel groups, independently: the bytes are
+        those of encoding all n at once)."""
         lam = self._lambda()
-        if lam is not None:
-            k = k / lam
-        self.k_block = append(self.k_block, store(encode(k, self.pk, f"layer {self.layer} keys"), self.pk, start))
-        self.v_block = append(self.v_block, store(encode(v.float(), self.pv, f"layer {self.layer} values"), self.pv, start))
+        n, a = k.shape[2], 0
+        while a < n:
+            room = self.k_rows.room()
+            assert room == self.v_rows.room(), "K and V pages must cover the same rows"
+            b = a + min(n - a, room)
+            kp = k[:, :, a:b].float()
+            if self.policy.key_rope == "pre":
+                cos, sin = self.rope_fn(start + a, b - a)
+                kp = invert_rope(kp, cos, sin)
+            if lam is not None:
+                kp = kp / lam
+            self.k_rows.write(store(encode(kp, self.pk, f"layer {self.layer} keys"), self.pk, start + a))
+            self.v_rows.write(store(encode(v[:, :, a:b].float(), self.pv, f"layer {self.layer} values"), self.pv,
+                                    start + a))
+            a = b
 
     def _flush(self) -> None:
         k, v = self.recent
@@ -197,6 +495,14 @@ class ArtifactLayer(CacheLayerMixin):
         self.recent = (k[:, :, n_out:], v[:, :, n_out:])
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """Store the new rows [B, H, t, D] (post-RoPE keys). -> every cached row decoded (attention
+        "materialize"), or the new rows as given (attention "blockwise": the installed attention reads the
+        stored form itself)."""
+        if self.attention == "blockwise" and not self.served:
+            raise InputError("ArtifactCache(attention='blockwise') updated outside its attention: the model's own "
+                             "attention would see the new rows only. Run the model under "
+                             "runtime_check.blockwise.serving(model, cache) or generate with "
+                             "runtime_check.cache.generate(...), or build the cache with attention='materialize'")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
@@ -214,6 +520,8 @@ class ArtifactLayer(CacheLayerMixin):
         if k.shape[2]:
             self.recent = (k, v) if self.recent is None else tuple(torch.cat([a, b], 2) for a, b in zip(self.recent, (k, v)))
             self._flush()
+        if self.attention == "blockwise":
+            return key_states, value_states
         return self.materialize()
 
     # -- what transformers' Cache calls beyond update --------------------------------------------------------
@@ -222,7 +530,7 @@ class ArtifactLayer(CacheLayerMixin):
         so the cache takes a new batch as if new."""
         self.cumulative_length = 0
         self.sink = self.recent = None
-        self.k_block = self.v_block = None
+        self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
         self.is_initialized = False
 
     def _batch(self) -> int:
@@ -230,7 +538,7 @@ class ArtifactLayer(CacheLayerMixin):
         for held in (self.sink, self.recent):
             if held is not None:
                 return held[0].shape[0]
-        return self.k_block.shape[0] if self.k_block is not None else 0
+        return self.k_rows.pages()[0].shape[0] if self.k_rows.rows else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the sequences `indices` [B'] in that order (repeats allowed): every stored row follows its
@@ -238,7 +546,8 @@ class ArtifactLayer(CacheLayerMixin):
         idx = torch.as_tensor(indices).to(torch.long).flatten()
         self.sink, self.recent = (None if pair is None else tuple(_take(x, idx) for x in pair)
                                   for pair in (self.sink, self.recent))
-        self.k_block, self.v_block = select_batch(self.k_block, idx), select_batch(self.v_block, idx)
+        self.k_rows.select(idx)
+        self.v_rows.select(idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence i continues beam_idx[i] (index_select on the batch, as transformers' layers)."""
@@ -269,8 +578,7 @@ class ArtifactLayer(CacheLayerMixin):
             ks.append(self.sink[0].float())
             vs.append(self.sink[1].float())
         lam = self._lambda()
-        if self.k_block is not None:
-            kb, vb = self.k_block, self.v_block
+        for kb, vb in zip(self.k_rows.pages(), self.v_rows.pages()):  # page by page: no joined copy of the bytes
             k = decode(load(kb, self.pk), self.pk)
             if lam is not None:
                 k = k * lam
@@ -290,7 +598,26 @@ class ArtifactCache(Cache):
     (greedy, sampling, beam search). reset / reorder_cache / batch_select_indices / batch_repeat_interleave /
     crop(0) work on every layer; crop(n != 0), offload and prefetch raise NotImplementedError naming them."""
 
-    def __init__(self, policy: CachePolicy, model: torch.nn.Module):
+    def __init__(self, policy: CachePolicy, model: torch.nn.Module, attention: str = "materialize",
+                 block: int = BLOCK, prefill: str = "full", page: int = PAGE):
+        """attention: "materialize" (update returns every row decoded, for the model's own attention) or
+        "blockwise" (runtime_check/blockwise.py reads the stored form block by block; serve the model with
+        blockwise.serving or generate). block: positions per block. prefill (blockwise): a chunk of T_q > 1
+        new tokens attends to its own rows "full" -- in full precision, as engines do -- or "stored" -- as
+        the cache stores them, what "materialize" gives; the history before a chunk, and every row a single
+        decoded token reads, always come from the stored form. page: encoded rows per page of storage
+        (PagedRows; rounded up to whole per-channel groups), the unit the capacity grows by."""
+        if attention not in ATTENTION_MODES:
+            raise InputError(f"ArtifactCache: attention must be one of {ATTENTION_MODES}, got {attention!r}")
+        if prefill not in PREFILL_MODES:
+            raise InputError(f"ArtifactCache: prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise InputError(f"ArtifactCache: block must be a positive int of positions, got {block!r}")
+        if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+            raise InputError(f"ArtifactCache: page must be a positive int of rows, got {page!r}")
+        self.attention, self.block, self.prefill = attention, block, prefill
+        # the block-wise attention's own accounting: its largest float32 working set so far (bytes)
+        self.stats = {"largest_decode_temporary_bytes": 0, "largest_prefill_temporary_bytes": 0}
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
             check_exportable(pk, f"ArtifactCache: layer {i} keys")
             check_exportable(pv, f"ArtifactCache: layer {i} values")
@@ -306,10 +633,42 @@ class ArtifactCache(Cache):
         max_positions = int(model.config.max_position_embeddings)
         if len(policy.layers) != model.config.num_hidden_layers:
             raise InputError(f"artifact has {len(policy.layers)} layers, the model {model.config.num_hidden_layers}")
-        super().__init__(layers=[ArtifactLayer(i, policy, rope_fn, max_positions) for i in range(len(policy.layers))])
+        super().__init__(layers=[ArtifactLayer(i, policy, rope_fn, max_positions, rotary, attention, page)
+                                 for i in range(len(policy.layers))])
+
+    @property
+    def served(self) -> bool:
+        return all(layer.served for layer in self.layers)
+
+    @served.setter
+    def served(self, value: bool) -> None:
+        for layer in self.layers:
+            layer.served = bool(value)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
+
+    def accounting(self) -> dict[str, int]:
+        """Bytes held, split by kind (HELD_KINDS; their sum is nbytes()): packed codes (or fp8 / fp16 encoded
+        rows), scales and zero-points, sparse outliers (values, indices, per-row counts), fp16 sink and residual
+        rows, the per-layer static tensors. Not part of the sum: reserved_capacity_bytes, the pages' capacity
+        allocated but holding nothing (the unused rows of each layer's last K and V page, every page's unused
+        outlier slots: PagedRows), and the block-wise
+        attention's largest working set so far in a decode step and in a prefill chunk
+        (largest_*_temporary_bytes)."""
+        out = dict.fromkeys(HELD_KINDS, 0)
+        for layer in self.layers:
+            for block in (*layer.k_rows.pages(), *layer.v_rows.pages()):
+                for name, t in block.tensors.items():
+                    kind = {"dense": "codes", "codes": "codes", "scale": "scales_zero_points",
+                            "zero": "scales_zero_points"}.get(name, "outliers")
+                    out[kind] += t.numel() * t.element_size()
+            for kind, pair in (("sink", layer.sink), ("residual", layer.recent)):
+                if pair is not None:
+                    out[kind] += sum(t.numel() * t.element_size() for t in pair)
+            out["static"] += sum(static_bits(p) for p in (layer.pk, layer.pv)) // 8
+        out["reserved_capacity_bytes"] = sum(layer.reserved_bytes() for layer in self.layers)
+        return out | {k: int(v) for k, v in self.stats.items()}
 
     def offload(self, layer_idx: int, only_non_sliding: bool = True):
         raise NotImplementedError(_NO_OFFLOAD)
@@ -326,10 +685,18 @@ def check_batch(attention_mask: torch.Tensor | None) -> None:
 
 
 def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             attention: str = "blockwise", block: int = BLOCK, prefill: str = "full", page: int = PAGE,
              **kwargs) -> tuple[torch.Tensor, ArtifactCache]:
     """Generation (greedy, sampling, beam search) with the artifact's cache; refuses padded batches instead of
-    mis-rotating them."""
+    mis-rotating them. attention="blockwise" (default) serves it with the block-wise attention
+    (runtime_check/blockwise.py: no decoded copy of the history); "materialize" with the model's own attention
+    over every row decoded. block, prefill, page: see ArtifactCache."""
     check_batch(attention_mask)
-    cache = ArtifactCache(policy, model)
-    out = model.generate(input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+    cache = ArtifactCache(policy, model, attention=attention, block=block, prefill=prefill, page=page)
+    if attention == "materialize":
+        return model.generate(input_ids, attention_mask=attention_mask, cache=cache, **kwargs), cache
+    from runtime_check.blockwise import serving  # blockwise imports this module
+
+    with serving(model, cache):
+        out = model.generate(input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
     return out, cache

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from exporters.codec import TensorPolicy
-from runtime_check.cache import ArtifactLayer, StoredBlock
+from runtime_check.cache import ArtifactLayer, PagedBlock, StoredBlock
 
 
 @dataclass
@@ -23,8 +23,9 @@ class DecodeInputs:
     key_rope: str                                          # "pre": block keys are rotated at their positions
     rotary: torch.nn.Module                                # the model's rotary module (inv_freq, attention_scaling)
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, S, D] fp16 post-RoPE K, V
-    k_block: StoredBlock | None = None                     # encoded rows start..start+T_q-1
-    v_block: StoredBlock | None = None
+    # encoded rows start..start+T_q-1: one block, or the cache's pages (PagedBlock, from_layer: views, no copy)
+    k_block: StoredBlock | PagedBlock | None = None
+    v_block: StoredBlock | PagedBlock | None = None
     recent: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, R, D] fp16 post-RoPE K, V
     smooth: torch.Tensor | None = None                     # [H_kv, D] lambda: block keys hold K / lambda
 
@@ -63,9 +64,12 @@ def policy_to(p: TensorPolicy, device) -> TensorPolicy:
     return replace(p, **{name: t.to(device) for name, t in p.calibrated().items()})
 
 
-def block_to(block: StoredBlock | None, device) -> StoredBlock | None:
+def block_to(block: StoredBlock | PagedBlock | None, device) -> StoredBlock | PagedBlock | None:
+    """The stored rows on `device`, page by page (a PagedBlock stays paged: its pages are never joined)."""
     if block is None:
         return None
+    if isinstance(block, PagedBlock):
+        return PagedBlock(tuple(block_to(p, device) for p in block.pages))
     return StoredBlock(block.start, block.shape, {k: v.to(device) for k, v in block.tensors.items()})
 
 

@@ -10,7 +10,7 @@ import torch
 
 from exporters.codec import decode
 from exporters.rope import apply_rope, rotary_tables
-from runtime_check.cache import load
+from runtime_check.cache import join, load, pages_of
 from runtime_check.inputs import DecodeInputs
 
 
@@ -20,8 +20,8 @@ def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     if inp.sink is not None:
         ks.append(inp.sink[0].float())
         vs.append(inp.sink[1].float())
-    if inp.k_block is not None:
-        k = decode(load(inp.k_block, inp.key_policy), inp.key_policy)
+    if inp.k_block is not None:  # the cache's pages joined into one block (a copy: the oracle's size does not matter)
+        k = decode(load(join(pages_of(inp.k_block)), inp.key_policy), inp.key_policy)
         if inp.smooth is not None:
             k = k * inp.smooth.float()[None, :, None, :]
         if inp.key_rope == "pre":
@@ -29,7 +29,7 @@ def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
             cos, sin = rotary_tables(inp.rotary, inp.k_block.start, k.shape[2], torch.float32)
             k = apply_rope(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
         ks.append(k)
-        vs.append(decode(load(inp.v_block, inp.value_policy), inp.value_policy))
+        vs.append(decode(load(join(pages_of(inp.v_block)), inp.value_policy), inp.value_policy))
     if inp.recent is not None:
         ks.append(inp.recent[0].float())
         vs.append(inp.recent[1].float())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from exporters.codec import FP8, TensorPolicy  # noqa: E402
-from runtime_check.cache import StoredBlock  # noqa: E402
+from runtime_check.cache import StoredBlock, pages_of  # noqa: E402
 from runtime_check.inputs import DecodeInputs, inputs_to  # noqa: E402
 
 FMT_FP16, FMT_FP8, FMT_UNIFORM, FMT_NUQ = 0, 1, 2, 3
@@ -412,5 +412,24 @@ def run(launch: DecodeLaunch) -> torch.Tensor:
 
 def decode_attention(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None,
                      device: torch.device | str | None = None, use_dot: bool | None = None) -> torch.Tensor:
-    """Decode attention of the new token over the stored cache -> [B, H_q, D] float32 (see prepare)."""
-    return run(prepare(inp, block_t=block_t, n_splits=n_splits, device=device, use_dot=use_dot))
+    """Decode attention of the new token over the stored cache -> [B, H_q, D] float32 (see prepare). Encoded rows
+    stored in pages (runtime_check.cache.PagedBlock, what the serving cache holds) are read where they lie: one
+    launch of the partial kernel per page, the full-precision rows with the first, and one merge of all their
+    splits -- the pages are more splits of the same reduction, and no page is copied or joined."""
+    pages = list(zip(pages_of(inp.k_block), pages_of(inp.v_block)))
+    if len(pages) <= 1:
+        if pages:
+            inp = replace(inp, k_block=pages[0][0], v_block=pages[0][1])
+        return run(prepare(inp, block_t=block_t, n_splits=n_splits, device=device, use_dot=use_dot))
+    launches = [prepare(replace(inp, k_block=k, v_block=v, sink=inp.sink if i == 0 else None,
+                                recent=inp.recent if i == 0 else None),
+                        block_t=block_t, n_splits=n_splits, device=device, use_dot=use_dot)
+                for i, (k, v) in enumerate(pages)]
+    for launch in launches:
+        _decode_partial_kernel[launch.grid](*launch.args, **launch.meta, num_warps=4)
+    po, pm, pl = (torch.cat([launch.partials[j] for launch in launches], 1).contiguous() for j in range(3))
+    out = launches[0].out
+    split = pm.shape[1]
+    _combine_kernel[(out.shape[0] * out.shape[1],)](po, pm, pl, out, split, S_P2=triton.next_power_of_2(split),
+                                                   D=launches[0].meta["D"])
+    return out

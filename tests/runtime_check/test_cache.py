@@ -4,7 +4,8 @@ import torch
 from exporters.codec import CachePolicy, CodecError, TensorPolicy, encode, decode, encoded_bits, fake_quant
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
-from runtime_check.cache import ArtifactCache, append, check_batch, generate, load, store
+from runtime_check.cache import (HELD_KINDS, PAGE, ArtifactCache, PagedBlock, PagedRows, append, check_batch,
+                                 generate, join, load, pages_of, store)
 from stages.hooks import rope_tables
 
 BOOK4 = torch.linspace(-1, 1, 16)
@@ -119,10 +120,10 @@ def test_refusals(tiny):
         cache.layers[0].update(torch.zeros(1, 2, too_long, 16), torch.zeros(1, 2, too_long, 16))
 
 
-def _filled(policy, model, k, v, steps=()):
+def _filled(policy, model, k, v, steps=(), page=PAGE):
     """An ArtifactCache fed K/V [B, H, T, D] per layer directly (as the attention layers hand them over), then
     each (k, v) of `steps` as further updates."""
-    cache = ArtifactCache(policy, model)
+    cache = ArtifactCache(policy, model, page=page)
     for layer in cache.layers:
         layer.update(k, v)
         for sk, sv in steps:
@@ -156,14 +157,9 @@ def _same(a, b):
             assert x == y, name
 
 
-@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head"])
-def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which):
-    """reorder_cache(idx) (beam search) == the cache that was fed the batch x[idx]: codes, scales, zero-points,
-    sparse outliers, fp8 bytes, fp16 sink and residual rows all follow their sequence, and the next updates
-    continue it alike."""
-    spec = tiny.spec
+def _policies(spec, which):
     h, d = spec.n_kv_heads, spec.head_dim
-    policy = {
+    return {
         "kvquant-outliers": kvquant_policy(spec.n_layers, h, d, residual=3),
         "kivi-groups": CachePolicy("kivi", [(TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
                                              TensorPolicy(format="uniform", bits=2, axis="token"))] * spec.n_layers,
@@ -171,14 +167,28 @@ def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which):
         "fp8-head": CachePolicy("fp8", [(TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((h,), 0.01)),
                                          TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((h,), 0.02)))]
                                 * spec.n_layers, n_sink=1),
+        "int3-token-outliers": CachePolicy("int3", [(TensorPolicy(format="uniform", bits=3, axis="token",
+                                                                  outlier_fraction=0.05),
+                                                     TensorPolicy())] * spec.n_layers, n_sink=1, residual=2),
     }[which]
+
+
+@pytest.mark.parametrize("page", [PAGE, 5])
+@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head"])
+def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which, page):
+    """reorder_cache(idx) (beam search) == the cache that was fed the batch x[idx]: codes, scales, zero-points,
+    sparse outliers, fp8 bytes, fp16 sink and residual rows all follow their sequence, and the next updates
+    continue it alike -- in one page or in many (page=5: KIVI's groups of 4 round it to 8)."""
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    policy = _policies(spec, which)
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(3, h, 23, d, generator=g), torch.randn(3, h, 23, d, generator=g)
     idx = torch.tensor([2, 0, 0])  # a reordering with a repeat, as beam search makes them
-    cache = _filled(policy, tiny.model, k, v)
+    cache = _filled(policy, tiny.model, k, v, page=page)
     before = [layer.materialize() for layer in cache.layers]
     cache.reorder_cache(idx)
-    expected = _filled(policy, tiny.model, k[idx], v[idx])
+    expected = _filled(policy, tiny.model, k[idx], v[idx], page=page)
     if which == "kvquant-outliers":
         assert expected.layers[0].k_block.tensors["outlier_value"].numel() > 0  # the outlier path is exercised
     for got, want, (bk, bv) in zip(cache.layers, expected.layers, before):
@@ -189,8 +199,9 @@ def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which):
     for sk, sv in steps:  # decoding goes on from the reordered rows, flushes included
         for layer in cache.layers:
             layer.update(sk, sv)
-    for got, want in zip(cache.layers, _filled(policy, tiny.model, k[idx], v[idx], steps).layers):
+    for got, want in zip(cache.layers, _filled(policy, tiny.model, k[idx], v[idx], steps, page=page).layers):
         _same(_stored(got), _stored(want))
+        assert [p.shape for p in pages_of(got.k_block)] == [p.shape for p in pages_of(want.k_block)]
     cache.batch_select_indices(torch.tensor([1]))  # the generation API's other batch edits take the same path
     cache.batch_repeat_interleave(2)
     assert cache.layers[0].materialize()[0].shape[0] == 2
@@ -252,3 +263,60 @@ def test_the_cache_refuses_evaluation_only_formats(p):
     with pytest.raises(CodecError, match=rf"ArtifactCache: layer 1 values: format {p.format} with axis token is "
                                          r"evaluation-only"):
         ArtifactCache(policy, model=None)
+
+
+@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head", "int3-token-outliers"])
+def test_pages_hold_the_bytes_of_one_block(tiny, which):
+    """Rows stored in pages of 8 (prefill and decode steps crossing page boundaries) are, joined, byte for byte
+    the one block of a cache whose page holds everything; each page is the block `store` gives for its rows
+    alone (its own outlier counts and t-major list); bytes held, the accounting and the decoded rows agree."""
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    policy = _policies(spec, which)
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(2, h, 29, d, generator=g), torch.randn(2, h, 29, d, generator=g)
+    steps = [(torch.randn(2, h, n, d, generator=g), torch.randn(2, h, n, d, generator=g)) for n in (1,) * 9 + (6,)]
+    paged, whole = (_filled(policy, tiny.model, k, v, steps, page=p) for p in (8, 64))
+    for a, b in zip(paged.layers, whole.layers):
+        kb, vb = a.k_block, a.v_block
+        assert isinstance(kb, PagedBlock) and len(kb.pages) >= 4 and len(whole.layers[0].k_block.pages) == 1
+        assert [p.shape[2] for p in kb.pages[:-1]] == [8] * (len(kb.pages) - 1)  # full pages but the last
+        assert [p.start for p in kb.pages] == [p.start for p in vb.pages]
+        _same(_stored(a), _stored(b))
+        for page in kb.pages:
+            assert torch.equal(decode(load(page, a.pk), a.pk), decode(load(join(kb.pages), a.pk), a.pk)[
+                :, :, page.start - kb.start:page.start - kb.start + page.shape[2]])
+            if "outlier_count" in page.tensors:
+                assert int(page.tensors["outlier_count"].sum()) == page.tensors["outlier_value"].numel()
+        for x, y in zip(a.materialize(), b.materialize()):
+            assert torch.equal(x, y)
+    if which in ("kvquant-outliers", "int3-token-outliers"):
+        assert paged.layers[0].k_block.tensors["outlier_value"].numel() > 10
+    assert paged.nbytes() == whole.nbytes()
+    acc = paged.accounting()
+    assert sum(acc[kind] for kind in HELD_KINDS) == paged.nbytes()
+    open_page = paged.layers[0].k_rows.open  # a last page not yet full: its unused rows are reserved, not held
+    assert acc["reserved_capacity_bytes"] >= 0 and (open_page is None or acc["reserved_capacity_bytes"] > 0)
+
+
+def test_a_page_outgrowing_its_outlier_slots_moves_its_own_lists_only():
+    """Outlier slots are sized from the rate seen so far; rows with more outliers than the open page has slots
+    for move that page's two outlier lists to a larger buffer -- nothing else moves, and the bytes are still
+    those of one block."""
+    ones = torch.ones(2, 8)
+    p = TensorPolicy(format="nuq", bits=4, axis="channel", outlier_fraction=0.01, codebook=BOOK4,
+                     zero=0 * ones, range=ones, lower=-ones, upper=ones)
+    x = 0.1 * torch.randn(1, 2, 12, 8, generator=torch.Generator().manual_seed(0))  # inliers
+    x[:, :, 9, :5] = 3.0                                                              # a row of 10 outliers
+    rows = PagedRows(p, page=8)
+    for a, b in ((0, 8), (8, 9), (9, 10), (10, 12)):
+        if a == 9:
+            full = {name: t.data_ptr() for name, t in rows.sealed[0].tensors.items()}
+            slots, codes = rows.open.out_cap, rows.open.buf["codes"].data_ptr()
+            assert slots < 10
+        rows.write(store(encode(x[:, :, a:b], p), p, a))
+    assert {name: t.data_ptr() for name, t in rows.sealed[0].tensors.items()} == full
+    assert rows.open.buf["codes"].data_ptr() == codes and rows.open.out_cap >= 10 > slots
+    whole = store(encode(x, p), p, 0)
+    assert all(torch.equal(join(rows.pages()).tensors[k], whole.tensors[k]) for k in whole.tensors)
+    assert rows.nbytes == whole.nbytes and rows.reserved_bytes() > 0

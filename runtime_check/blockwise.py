@@ -1,0 +1,251 @@
+"""Attention over the stored cache, one block of positions at a time: no full-precision copy of the history.
+
+For one layer (the stored form of runtime_check/cache.py, viewed as runtime_check.inputs.DecodeInputs) and queries
+[B, H_q, T_q, D], the cached rows are read in position order -- fp16 sink rows, the encoded pages, fp16
+residual rows -- in blocks of at most `block` positions that never cross a page. A block of encoded rows is its
+page as stored, or cut from the page's bytes with runtime_check.cache.slice_rows (its slice of the packed codes,
+of the scales / zero-points and, from the prefix sum of the per-row counts, of the sparse outliers), and decoded
+exactly as the whole would be: runtime_check.cache.load + exporters.codec.decode, keys multiplied by the
+SmoothAttention lambda and, for pre-RoPE keys, rotated at their stored positions with the model's own rotary
+module (float32 tables, as the oracle). Each block's scores (scaling, GQA: query head j reads kv head
+j // (H_q / H_kv), the additive / boolean mask's columns or the causal rule: a query at position p sees rows at
+positions <= p) are merged with the online-softmax rule in float32 -- running max m, running sum l, accumulator
+rescaled by exp(m_old - m_new) -- the algorithm of the Triton kernel (runtime_check/triton_attention.py), in
+torch, on whatever device the inputs are on.
+
+Working set per block: the decoded K and V [B, H_kv, n, D] (n <= block; per-channel groups round the block to a
+multiple of the group size) and the scores [B, H_q, T_q, n], beside the stored form itself and the
+[B, H_q, T_q, D] accumulator; never a [B, H, T, D] decoded copy.
+
+Serving (`serving`, `layer_attention`): installed through transformers' attention interface
+(stages.hooks.attention_override), the attention finds the cache layer by module.layer_idx. A single new token
+(T_q == 1) reads exactly what the cache stores, its own row included once stored (so it equals
+runtime_check/reference.py's oracle); on CUDA that step is the Triton kernel, the GPU path of the same
+function. A chunk of T_q > 1 new tokens (prefill) reads the history before it from the stored form and, by
+default, its own rows in full precision as engines do (prefill="stored": as stored, what the materializing
+cache gives).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Iterator
+
+import torch
+
+from exporters.codec import TensorPolicy, decode
+from exporters.rope import apply_rope, rotary_tables
+from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers, pages_of,
+                                 slice_rows)
+from runtime_check.inputs import DecodeInputs, from_layer, policy_to
+from stages.base import InputError
+
+__all__ = ["BLOCK", "attend", "decode_attention", "layer_attention", "serving", "stored_blocks"]
+
+
+def _group(p: TensorPolicy) -> int:
+    return p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
+
+
+def _row_step(inp: DecodeInputs, block: int) -> int:
+    """Encoded rows per block: `block` rounded down to a multiple of the per-channel group sizes (so every slice
+    starts on a group boundary of both K and V), at least one group."""
+    g = math.lcm(_group(inp.key_policy), _group(inp.value_policy))
+    return max(g, block // g * g)
+
+
+def _decoded_keys(inp: DecodeInputs, rows: StoredBlock) -> torch.Tensor:
+    """Stored key rows -> post-RoPE keys [B, H_kv, n, D] float32 (decode, x lambda, RoPE at their positions)."""
+    k = decode(load(rows, inp.key_policy), inp.key_policy)
+    if inp.smooth is not None:
+        k = k * inp.smooth.float()[None, :, None, :]
+    if inp.key_rope == "pre":
+        cos, sin = rotary_tables(inp.rotary, rows.start, rows.shape[2], torch.float32)
+        k = apply_rope(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
+    return k
+
+
+def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """The stored rows at positions < limit, decoded one block at a time, in position order ->
+    (keys, values [B, H_kv, n, D] float32 post-RoPE, position of the first row). Positions: sink rows 0..S-1, the
+    encoded rows from their `start` -- page by page (runtime_check.cache.PagedBlock; a plain StoredBlock is one
+    page), a block never crossing a page, a page no longer than the block read as it is -- residual rows after."""
+    pos = 0
+    if inp.sink is not None:
+        sk, sv = inp.sink
+        n = min(sk.shape[2], limit)
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            yield sk[:, :, a:b].float(), sv[:, :, a:b].float(), a
+        pos = sk.shape[2]
+    k_pages, v_pages = pages_of(inp.k_block), pages_of(inp.v_block)
+    if len(k_pages) != len(v_pages):
+        raise ValueError(f"keys are stored in {len(k_pages)} pages, values in {len(v_pages)}: K and V pages must "
+                         f"cover the same rows")
+    step = _row_step(inp, block)
+    for kb, vb in zip(k_pages, v_pages):  # each page read where it lies, in blocks that never cross a page
+        if kb.start != pos or vb.start != pos or kb.shape[2] != vb.shape[2]:
+            raise ValueError(f"stored pages must follow the {pos} rows before them: keys start {kb.start} "
+                             f"({kb.shape[2]} rows), values start {vb.start} ({vb.shape[2]} rows)")
+        n = min(kb.shape[2], max(0, limit - pos))
+        k_off = v_off = 0  # outliers stored in the page's rows before the slice (running prefix sum of the counts)
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            if a == 0 and b == kb.shape[2]:  # the whole page: its tensors as stored
+                k_rows, v_rows = kb, vb
+            else:
+                k_rows = slice_rows(kb, a, b, inp.key_policy, k_off)
+                v_rows = slice_rows(vb, a, b, inp.value_policy, v_off)
+                k_off, v_off = k_off + n_outliers(k_rows), v_off + n_outliers(v_rows)
+            yield _decoded_keys(inp, k_rows), decode(load(v_rows, inp.value_policy), inp.value_policy), pos + a
+        pos += kb.shape[2]
+    if inp.recent is not None:
+        rk, rv = inp.recent
+        n = min(rk.shape[2], max(0, limit - pos))
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            yield rk[:, :, a:b].float(), rv[:, :, a:b].float(), pos + a
+
+
+def _own_blocks(own: tuple[torch.Tensor, torch.Tensor], pos0: int, block: int):
+    k, v = own
+    for a in range(0, k.shape[2], block):
+        yield k[:, :, a:a + block].float(), v[:, :, a:a + block].float(), pos0 + a
+
+
+def _on_device(inp: DecodeInputs, device: torch.device) -> DecodeInputs:
+    """The policies' calibrated tensors (codebook, static zero / range, fp8 scales) and lambda on `device`; the
+    stored rows are read where they are."""
+    tensors = [*inp.key_policy.calibrated().values(), *inp.value_policy.calibrated().values()]
+    if inp.smooth is not None:
+        tensors.append(inp.smooth)
+    if all(t.device == device for t in tensors):
+        return inp
+    return replace(inp, key_policy=policy_to(inp.key_policy, device), value_policy=policy_to(inp.value_policy, device),
+                   smooth=None if inp.smooth is None else inp.smooth.to(device))
+
+
+def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q_start: int,
+           own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
+           block: int = BLOCK, stats: dict | None = None) -> torch.Tensor:
+    """Attention of query [B, H_q, T_q, D] (post-RoPE; query i at position q_start + i) over the stored rows at
+    positions < limit and then `own` rows (K, V [B, H_kv, n, D] at positions limit..limit+n-1, read as given).
+    mask: None (causal by position) or transformers' [B | 1, 1, T_q, >= limit + n] additive float or boolean
+    mask, its columns indexed by position. stats: {"largest_decode_temporary_bytes" (T_q == 1),
+    "largest_prefill_temporary_bytes"}, raised to this call's largest working set (decoded K and V of a block,
+    its scores and probabilities, the query, running max / sum and accumulator; the codec's transient tensors
+    while decoding a block come on top). -> [B, H_q, T_q, D] float32."""
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    b, h_q, t_q, d = query.shape
+    device = query.device
+    inp = _on_device(inp, device)
+    h_kv = inp.n_kv_heads
+    if h_q % h_kv:
+        raise ValueError(f"n_q_heads={h_q} must be a multiple of n_kv_heads={h_kv}")
+    n_own = 0 if own is None else own[0].shape[2]
+    if mask is not None and mask.shape[-1] < limit + n_own:
+        raise ValueError(f"the mask covers {mask.shape[-1]} key positions, the attention reads {limit + n_own}")
+    g = h_q // h_kv
+    q = query.float().reshape(b, h_kv, g, t_q, d)
+    q_pos = torch.arange(q_start, q_start + t_q, device=device)
+    m = torch.full((b, h_kv, g, t_q), float("-inf"), device=device)
+    l = torch.zeros(b, h_kv, g, t_q, device=device)
+    acc = torch.zeros(b, h_kv, g, t_q, d, device=device)
+    blocks = stored_blocks(inp, limit, block)
+    if own is not None:
+        blocks = _chain(blocks, _own_blocks(own, limit, block))
+    largest = 0
+    for k, v, p0 in blocks:
+        n = k.shape[2]
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q, k.to(device)) * scaling          # [B, H_kv, G, T_q, n]
+        if mask is not None:
+            cols = mask[..., p0:p0 + n][:, :, None].to(device)                        # [B, 1, 1, T_q, n]
+            s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols.float()
+        elif p0 + n - 1 > q_start:  # some rows of the block lie after the first query
+            later = torch.arange(p0, p0 + n, device=device)[None, :] > q_pos[:, None]  # [T_q, n]
+            s = s.masked_fill(later, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)   # a query that has seen no row yet: exp(-inf) = 0
+        p = torch.exp(s - m_safe[..., None])
+        alpha = torch.exp(m - m_safe)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(device))
+        m = m_new
+        largest = max(largest, sum(t.numel() * t.element_size() for t in (k, v, s, p)))
+    if stats is not None:
+        live = sum(t.numel() * t.element_size() for t in (q, m, l, acc))
+        key = "largest_decode_temporary_bytes" if t_q == 1 else "largest_prefill_temporary_bytes"
+        stats[key] = max(stats.get(key, 0), largest + live)
+    return (acc / l[..., None]).reshape(b, h_q, t_q, d)
+
+
+def _chain(*iterators):
+    for it in iterators:
+        yield from it
+
+
+def decode_attention(inp: DecodeInputs, block: int = BLOCK) -> torch.Tensor:
+    """The new token's attention over every stored row -> [B, H_q, D] float32: the signature of
+    reference.decode_attention and triton_attention.decode_attention (a `kernel` for check.check_case)."""
+    out = attend(inp, inp.q[:, :, None], inp.scaling, limit=inp.length, q_start=inp.length - 1, block=block)
+    return out[:, :, 0]
+
+
+def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: torch.Tensor | None, scaling: float, block: int = BLOCK, prefill: str = "full",
+                    stats: dict | None = None, kernel: bool | None = None) -> torch.Tensor:
+    """One attention layer's output over the cache layer, after its `update` stored the T_q new rows (key,
+    value: those rows as the model computed them, what a block-wise layer's update returns). -> [B, H_q, T_q, D]
+    float32. T_q == 1: every stored row, the new one included (on CUDA the Triton kernel unless kernel=False).
+    T_q > 1: the rows before the chunk as stored, then the chunk's own rows in full precision (prefill="full")
+    or as stored (prefill="stored"), causally."""
+    t_q = query.shape[2]
+    total = layer.cumulative_length
+    history = total - t_q
+    if history < 0:
+        raise ValueError(f"layer {layer.layer}: {t_q} queries but the cache holds {total} rows: update it first")
+    inp = from_layer(layer, query[:, :, -1], scaling, layer.rotary)
+    if t_q == 1:
+        if kernel or (kernel is None and query.is_cuda):
+            from runtime_check import triton_attention  # imports triton: only where the kernel runs
+
+            return triton_attention.decode_attention(inp, device=query.device)[:, :, None]
+        return attend(inp, query, scaling, limit=total, q_start=history, mask=mask, block=block, stats=stats)
+    if prefill == "stored":
+        return attend(inp, query, scaling, limit=total, q_start=history, mask=mask, block=block, stats=stats)
+    if prefill != "full":
+        raise InputError(f"prefill must be 'full' or 'stored', got {prefill!r}")
+    if key.shape[2] != t_q:
+        raise ValueError(f"layer {layer.layer}: prefill='full' needs the chunk's own {t_q} rows, got {key.shape[2]}")
+    return attend(inp, query, scaling, limit=history, q_start=history, own=(key, value), mask=mask, block=block,
+                  stats=stats)
+
+
+@contextmanager
+def serving(model: torch.nn.Module, cache: ArtifactCache, kernel: bool | None = None) -> Iterator[ArtifactCache]:
+    """Within the block, `model(..., cache=cache)` and `model.generate(..., cache=cache)` attend through
+    layer_attention over `cache` (attention="blockwise"), with the cache's block and prefill settings; the
+    model's attention implementation is restored on exit. kernel: the Triton kernel for single-token steps
+    (None: on CUDA)."""
+    from stages.hooks import attention_override
+
+    if cache.attention != "blockwise":
+        raise InputError(f"serving: the cache was built with attention={cache.attention!r}; block-wise serving "
+                         f"needs ArtifactCache(..., attention='blockwise')")
+
+    def attention(module, query, key, value, mask, scaling):
+        layer = cache.layers[module.layer_idx]
+        out = layer_attention(layer, query, key, value, mask, scaling, block=cache.block, prefill=cache.prefill,
+                              stats=cache.stats, kernel=kernel)
+        return out.transpose(1, 2).contiguous().to(query.dtype)                      # [B, T_q, H_q, D]
+
+    previous = cache.served
+    cache.served = True
+    try:
+        with attention_override(model, attention):
+            yield cache
+    finally:
+        cache.served = previous

@@ -1,0 +1,347 @@
+"""The block-wise attention (runtime_check/blockwise.py) on the tiny model: equal to the oracle on real K/V within
+the runtime check's tolerance, equal to the materializing cache through generate(), never building a decoded
+copy of the history, and never copying the stored rows (the cache's pages: runtime_check.cache.PagedRows)."""
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from exporters.codec import CachePolicy, TensorPolicy, decode, encode
+from pipeline.check import eval_ids
+from pipeline.config import load_recipe
+from runtime_check import blockwise, reference
+from runtime_check.cache import (HELD_KINDS, ArtifactCache, ArtifactLayer, PagedBlock, generate, join, load,
+                                 slice_rows, store)
+from runtime_check.check import RTOL, check_case, compare, record
+from runtime_check.inputs import from_layer
+from stages import recipe as recipe_stage
+from stages.base import InputError
+from stages.hooks import attention_override, eager_attention
+
+BLOCK = 7  # smaller than the cached rows, not a divisor of them: several blocks, boundaries inside encoded rows
+
+
+def _policy(tiny, calib, name: str) -> CachePolicy:
+    """A recipe's policy on the tiny model, its residual window and KIVI groups shrunk to the test's contexts."""
+    q = load_recipe(name)
+    pol = recipe_stage.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+    if name.startswith("kivi"):
+        layers = [(replace(k, group_size=4), v) for k, v in pol.layers]
+        pol = replace(pol, layers=layers, residual=8)
+    return pol
+
+
+RECIPES = ["fp16", "fp8-e4m3", "kivi-2", "kvquant-4b-1pct", "int4-token+smooth", "kvquant-3b-1pct+smooth"]
+
+
+@pytest.mark.parametrize("p", [
+    TensorPolicy(format="uniform", bits=3, axis="token"),
+    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
+    TensorPolicy(format="nuq", bits=4, axis="token", codebook=torch.linspace(-1, 1, 16), outlier_fraction=0.05),
+    TensorPolicy(format="nuq", bits=3, axis="channel", codebook=torch.linspace(-1, 1, 8), zero=torch.zeros(3, 16),
+                 range=torch.ones(3, 16), lower=-torch.ones(3, 16), upper=torch.ones(3, 16), outlier_fraction=0.05),
+    TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((3,), 0.01)),
+    TensorPolicy(),
+])
+def test_a_slice_of_stored_rows_decodes_like_those_rows_of_the_whole(p):
+    x = 1.5 * torch.randn(2, 3, 23, 16, generator=torch.Generator().manual_seed(0))
+    block = store(encode(x, p), p, start=5)
+    whole = decode(load(block, p), p)
+    if "outlier_count" in block.tensors:
+        assert block.tensors["outlier_value"].numel() > 10
+    for a, b in ((0, 4), (4, 12), (8, 23), (12, 13), (20, 23), (0, 23)):
+        part = slice_rows(block, a, b, p)
+        assert part.start == 5 + a and part.shape == (2, 3, b - a, 16)
+        assert torch.equal(decode(load(part, p), p), whole[:, :, a:b]), (a, b)
+        assert part.nbytes < block.nbytes or (a, b) == (0, 23)  # views of the slice only
+    if p.format == "uniform" and p.axis == "channel":
+        with pytest.raises(ValueError, match="must start on a group boundary"):
+            slice_rows(block, 3, 9, p)
+
+
+def _oracle_cases(tiny, calib, name, context=40, batch=2):
+    pol = _policy(tiny, calib, name)
+    return record(tiny, pol, eval_ids(tiny.tokenizer, batch, context + 1))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_blockwise_decode_equals_the_oracle(tiny, calib, name):
+    """Every layer, real K/V of text: block-wise decode attention == reference.decode_attention over the same
+    stored cache within the runtime check's bound, and at float32-rounding level."""
+    for inp in _oracle_cases(tiny, calib, name):
+        n_enc = inp.k_block.shape[2] if inp.k_block is not None else 0
+        assert n_enc > 2 * BLOCK and n_enc % BLOCK  # several blocks of encoded rows, a partial last one
+        got = blockwise.decode_attention(inp, block=BLOCK)
+        ref = reference.decode_attention(inp)
+        res = compare(got, ref)
+        assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
+        # one block holding everything gives the same answer: the merge, not the blocking, is what is checked
+        assert compare(blockwise.decode_attention(inp, block=1024), ref)["ok"]
+
+
+def test_blockwise_passes_the_runtime_check(tiny, calib):
+    """As the runtime check runs it: check_case with the block-wise attention as the kernel."""
+    pol = _policy(tiny, calib, "kvquant-3b-1pct+smooth")
+    timing = {"kernel_s": 0.0, "oracle_s": 0.0}
+    case = check_case(tiny, pol, eval_ids(tiny.tokenizer, 2, 49), None,
+                      lambda inp: blockwise.decode_attention(inp, block=BLOCK), timing)
+    assert case["ok"] and case["max_rel_err"] < 1e-5
+
+
+@pytest.mark.parametrize("fault", ["outlier offsets restart per block", "RoPE from the block's first position",
+                                   "last row of every slice dropped"])
+def test_planted_faults_fail_the_comparison(tiny, calib, monkeypatch, fault):
+    """The comparison has teeth: each mistake a block-wise reader could make fails it on some layer."""
+    inputs = _oracle_cases(tiny, calib, "kvquant-4b-1pct")
+    if fault == "outlier offsets restart per block":
+        monkeypatch.setattr(blockwise, "n_outliers", lambda rows: 0)
+    elif fault == "RoPE from the block's first position":
+        real = blockwise.rotary_tables
+        monkeypatch.setattr(blockwise, "rotary_tables", lambda rotary, start, n, dtype: real(rotary, 0, n, dtype))
+    else:
+        real = blockwise.slice_rows
+        monkeypatch.setattr(blockwise, "slice_rows", lambda block, a, b, p, off: real(block, a, max(a + 1, b - 1), p, off))
+    results = [compare(blockwise.decode_attention(inp, block=BLOCK), reference.decode_attention(inp)) for inp in inputs]
+    assert not all(r["ok"] for r in results), fault
+
+
+def _greedy(tiny, pol, ids, n=10, **kw):
+    out, cache = generate(tiny.model, pol, ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          return_dict_in_generate=True, output_logits=True, **kw)
+    return out.sequences, torch.stack(out.logits, 1), cache
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi-2", "kvquant-4b-1pct", "kvquant-3b-1pct+smooth"])
+def test_generate_blockwise_equals_materialize(tiny, calib, name):
+    """Greedy generation: attention="blockwise" reading the stored form (prefill "stored": the chunk's own rows
+    as stored too) gives the tokens and, to float32 rounding, the logits of the materializing cache."""
+    pol = replace(_policy(tiny, calib, name), residual=4) if name != "kivi-2" else _policy(tiny, calib, name)
+    ids = eval_ids(tiny.tokenizer, 2, 30)
+    ref_tokens, ref_logits, _ = _greedy(tiny, pol, ids, attention="materialize")
+    tokens, logits, cache = _greedy(tiny, pol, ids, attention="blockwise", block=BLOCK, prefill="stored")
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.allclose(logits, ref_logits, rtol=1e-4, atol=1e-4 * float(ref_logits.abs().max()))
+    assert cache.stats["largest_decode_temporary_bytes"] > 0
+
+
+def test_full_precision_prefill(tiny, calib):
+    """prefill="full": the prompt attends to its own rows as computed (the first logits are the model's own,
+    whatever the recipe), and the decode steps then read the stored form."""
+    ids = eval_ids(tiny.tokenizer, 2, 30)
+    with torch.no_grad():
+        own = tiny.model(ids).logits[:, -1]
+    pol = replace(_policy(tiny, calib, "kvquant-4b-1pct"), residual=4)
+    tokens, logits, _ = _greedy(tiny, pol, ids, n=2, block=BLOCK)
+    assert torch.allclose(logits[:, 0], own, atol=1e-5, rtol=1e-5)
+    stored_tokens, stored_logits, _ = _greedy(tiny, pol, ids, n=2, block=BLOCK, prefill="stored")
+    assert not torch.allclose(logits[:, 0], stored_logits[:, 0], atol=1e-5)  # the two prefills differ
+    fp16 = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers, key_rope="pre", n_sink=1)
+    assert torch.equal(_greedy(tiny, fp16, ids, n=8, block=BLOCK)[0],
+                       tiny.model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False))
+
+
+def test_the_triton_kernel_is_the_single_token_path_of_the_same_function(tiny, calib):
+    """kernel=True (on CUDA the default; here Triton's interpreter): a decode step through the kernel gives the
+    logits of the torch block-wise path."""
+    pol = replace(_policy(tiny, calib, "kvquant-3b-1pct"), residual=3)
+    ids = eval_ids(tiny.tokenizer, 2, 40)
+    logits = []
+    for kernel in (False, True):
+        cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=BLOCK)
+        with torch.no_grad(), blockwise.serving(tiny.model, cache, kernel=kernel):
+            tiny.model(ids[:, :-1], cache=cache)
+            logits.append(tiny.model(ids[:, -1:], cache=cache).logits)
+    assert torch.allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4 * float(logits[0].abs().max()))
+
+
+def test_chunked_prefill_reads_the_history_from_the_stored_form(tiny, calib):
+    """A second prefill chunk (T_q > 1 with history) and the decode steps after it: under prefill="stored" the
+    logits of the materializing cache; a beam search reorders the stored rows the attention reads."""
+    pol = replace(_policy(tiny, calib, "kvquant-4b-1pct"), residual=3)
+    ids = eval_ids(tiny.tokenizer, 2, 40)
+    chunks = [ids[:, :17], ids[:, 17:33], ids[:, 33:34], ids[:, 34:35], ids[:, 35:40]]
+
+    def run(cache):
+        with torch.no_grad():
+            return [tiny.model(c, cache=cache).logits for c in chunks]
+
+    ref = run(ArtifactCache(pol, tiny.model))
+    cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=BLOCK, prefill="stored")
+    with blockwise.serving(tiny.model, cache):
+        got = run(cache)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    beams = dict(max_new_tokens=6, do_sample=False, num_beams=3)
+    out, _ = generate(tiny.model, pol, ids[:, :20], attention="materialize", **beams)
+    assert torch.equal(generate(tiny.model, pol, ids[:, :20], block=BLOCK, prefill="stored", **beams)[0], out)
+
+
+class _LargestRows(TorchDispatchMode):
+    """Every float32 tensor an op creates whose last axis is head_dim: the largest element count seen."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.head_dim, self.largest = head_dim, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() >= 3 and t.shape[-1] == self.head_dim:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("name", ["kvquant-4b-1pct", "kivi-2"])
+def test_decode_never_builds_a_decoded_copy_of_the_history(tiny, calib, monkeypatch, name):
+    """A decode step in blockwise mode creates no float32 tensor of head_dim rows larger than one block of
+    [B, H_kv, BLOCK, D] (the materializing cache's step, probed alike, creates [B, H_kv, T, D]) and never calls
+    materialize."""
+    spec = tiny.spec
+    pol = _policy(tiny, calib, name)
+    ids = eval_ids(tiny.tokenizer, 2, 241)
+    b, t = ids.shape[0], ids.shape[1]
+    bound = b * spec.n_kv_heads * 16 * spec.head_dim  # block 16: a multiple of the KIVI group of 4
+
+    def step(cache):
+        with torch.no_grad():
+            tiny.model(ids[:, :-1], cache=cache)
+            probe = _LargestRows(spec.head_dim)
+            with probe:
+                tiny.model(ids[:, -1:], cache=cache)
+        return probe.largest
+
+    full = step(ArtifactCache(pol, tiny.model))
+    assert full >= b * spec.n_kv_heads * t * spec.head_dim  # the probe sees a decoded history when there is one
+
+    def refuse(self):
+        raise AssertionError("materialize called in blockwise mode")
+
+    monkeypatch.setattr(ArtifactLayer, "materialize", refuse)
+    cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=16)
+    with blockwise.serving(tiny.model, cache):
+        largest = step(cache)
+    assert 0 < largest <= bound < full // 10
+    acc = cache.accounting()
+    assert 0 < acc["largest_decode_temporary_bytes"] <= 3 * 4 * bound  # K, V of a block (+ small terms)
+    assert sum(acc[k] for k in HELD_KINDS) == cache.nbytes()
+
+
+def test_a_blockwise_cache_refuses_the_models_own_attention(tiny):
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers)
+    cache = ArtifactCache(pol, tiny.model, attention="blockwise")
+    with pytest.raises(InputError, match="updated outside its attention"):
+        with torch.no_grad():
+            tiny.model(torch.randint(0, 1000, (1, 5)), cache=cache)
+    assert cache.get_seq_length() == 0  # refused before anything was stored
+    with pytest.raises(InputError, match="attention must be one of"):
+        ArtifactCache(pol, tiny.model, attention="fused")
+    with pytest.raises(InputError, match="needs ArtifactCache"):
+        with blockwise.serving(tiny.model, ArtifactCache(pol, tiny.model)):
+            pass
+
+
+class _LargestStored(TorchDispatchMode):
+    """The largest tensor of a stored dtype (uint8 codes, int16 outlier counts / indices, fp16 rows or outlier
+    values) any op creates or writes, in bytes -- a concatenation of the stored history would be one."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype in (torch.uint8, torch.int16, torch.float16):
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def _page_tensors(layer):
+    """{(K or V, page start, tensor name): data_ptr} of every stored page (the open page's views start at its
+    buffers), but the open page's outlier lists, which may move to a larger buffer on overflow."""
+    out = {}
+    for side, rows in (("k", layer.k_rows), ("v", layer.v_rows)):
+        for page in rows.pages():
+            is_open = rows.open is not None and page.start == rows.open.start
+            out.update({(side, page.start, name): t.data_ptr() for name, t in page.tensors.items()
+                        if not (is_open and name in ("outlier_index", "outlier_value"))})
+    return out
+
+
+@pytest.mark.parametrize("name", ["kvquant-4b-1pct", "kivi-2"])
+def test_decode_steps_never_copy_the_stored_rows(tiny, calib, monkeypatch, name):
+    """Across 50 decode steps through the block-wise attention: no stored tensor already written moves (every full
+    page keeps its tensors, the open page its buffers, until it is full), and no step creates a tensor of a
+    stored dtype larger than a page's buffer, a block's unpacked codes or the residual rows -- far below the
+    stored history, which the old path (one block per layer, concatenated at every flush) copied at every step.
+    Probed alike, a reader that joins the pages is seen."""
+    spec = tiny.spec
+    page = 16
+    pol = _policy(tiny, calib, name)
+    ids = eval_ids(tiny.tokenizer, 2, 181)
+    prompt, steps = 130, 50
+    cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=page, page=page)
+    largest = 0
+    with torch.no_grad(), blockwise.serving(tiny.model, cache):
+        tiny.model(ids[:, :prompt], cache=cache)
+        for i in range(prompt, prompt + steps):
+            seen = [_page_tensors(layer) for layer in cache.layers]
+            probe = _LargestStored()
+            with probe:
+                tiny.model(ids[:, i:i + 1], cache=cache)
+            largest = max(largest, probe.largest)
+            for old, layer in zip(seen, cache.layers):
+                now = _page_tensors(layer)
+                moved = [key for key, ptr in old.items() if now.get(key) != ptr]
+                assert not moved, (i, moved)  # every stored tensor where it was, the open page's too
+    layer = cache.layers[0]
+    kb = layer.k_block
+    assert isinstance(kb, PagedBlock) and len(layer.k_rows.sealed) >= 8  # many pages, several sealed in the steps
+    history = max(blk.nbytes for blk in (join(layer.k_block.pages), join(layer.v_block.pages)))
+    b, h, d = ids.shape[0], spec.n_kv_heads, spec.head_dim
+    first = (*layer.k_rows.pages()[0].tensors.values(), *layer.v_rows.pages()[0].tensors.values())
+    bound = max(max(t.numel() * t.element_size() for t in first),  # a page's buffers
+                b * h * page * d,  # a block's unpacked codes (uint8)
+                b * h * (pol.residual + 5) * d * 2)  # the fp16 residual rows (KIVI: a group of 4 more)
+    assert largest <= bound < history / 2, (largest, bound, history)
+
+    def joined(rows):  # the probe has teeth: a reader that joins the pages creates the whole history
+        return property(lambda self: PagedBlock((join(getattr(self, rows).pages()),)))
+
+    monkeypatch.setattr(ArtifactLayer, "k_block", joined("k_rows"))
+    monkeypatch.setattr(ArtifactLayer, "v_block", joined("v_rows"))
+    probe = _LargestStored()
+    with torch.no_grad(), blockwise.serving(tiny.model, cache), probe:
+        tiny.model(ids[:, prompt + steps:prompt + steps + 1], cache=cache)
+    assert probe.largest >= join(cache.layers[0].k_rows.pages()).tensors["codes"].numel()
+
+
+@pytest.mark.parametrize("name", ["kvquant-3b-1pct+smooth", "kivi-2"])
+def test_every_reader_reads_the_pages(tiny, calib, name):
+    """Over a cache stored in many pages: the block-wise attention, the Triton kernel (one launch per page, the
+    splits merged) and the oracle (pages joined) agree within the runtime check's bound; a page boundary inside
+    a block changes nothing but the blocking."""
+    pol = replace(_policy(tiny, calib, name), residual=3)
+    cache = ArtifactCache(pol, tiny.model, page=8)
+    ids = eval_ids(tiny.tokenizer, 2, 45)
+    queries = {}
+
+    def capture(module, query, key, value, mask, scaling):  # as runtime_check.check.record, over a paged cache
+        queries[module.layer_idx] = (query[:, :, -1].float(), float(scaling))
+        return eager_attention(query, key, value, mask, scaling)
+
+    with torch.no_grad():
+        tiny.model(ids[:, :-1], cache=cache)
+        with attention_override(tiny.model, capture):
+            tiny.model(ids[:, -1:], cache=cache)
+    from runtime_check import triton_attention  # sets Triton's interpreter on a machine without a GPU
+
+    for i, layer in enumerate(cache.layers):
+        inp = from_layer(layer, *queries[i], tiny.model.model.rotary_emb)
+        assert len(inp.k_block.pages) >= 4
+        ref = reference.decode_attention(inp)
+        for got in (blockwise.decode_attention(inp, block=BLOCK), blockwise.decode_attention(inp, block=1024),
+                    triton_attention.decode_attention(inp)):
+            res = compare(got, ref)
+            assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
