@@ -217,7 +217,8 @@ def token_outlier_bounds(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor
     return lo.view(b, 1, t, 1), hi.view(b, 1, t, 1)
 
 
-def _nearest_level(xn: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+def nearest_level(xn: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """The index of each point's nearest level of the sorted codebook (a tie goes to the lower level), uint8."""
     mids = (codebook[1:] + codebook[:-1]) / 2
     return torch.bucketize(xn.contiguous(), mids.contiguous()).to(torch.uint8)
 
@@ -286,7 +287,7 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
         mn, mx = inlier.amin(-1, keepdim=True), inlier.amax(-1, keepdim=True)
         zero, rng = _fp16((mx + mn) / 2), _fp16((mx - mn) / 2)
     xn = torch.where(rng > 0, (inlier - zero) / torch.where(rng > 0, rng, 1), 0).clamp(-1, 1)
-    codes = _nearest_level(xn, p.codebook.float())
+    codes = nearest_level(xn, p.codebook.float())
     scale = rng if p.axis == "token" else None
     zero_out = zero if p.axis == "token" else None
     return Encoded(shape, codes=codes, scale=scale, zero=zero_out, outlier_index=out_idx, outlier_value=out_val)

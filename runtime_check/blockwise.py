@@ -34,7 +34,8 @@ from typing import Iterator
 
 import torch
 
-from exporters.codec import TensorPolicy, decode
+from exporters.codec import decode
+from exporters.ledger import key_group
 from exporters.rope import apply_rope, rotary_tables
 from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers, pages_of,
                                  slice_rows)
@@ -44,14 +45,10 @@ from stages.base import InputError
 __all__ = ["BLOCK", "attend", "decode_attention", "layer_attention", "serving", "stored_blocks"]
 
 
-def _group(p: TensorPolicy) -> int:
-    return p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
-
-
 def _row_step(inp: DecodeInputs, block: int) -> int:
     """Encoded rows per block: `block` rounded down to a multiple of the per-channel group sizes (so every slice
     starts on a group boundary of both K and V), at least one group."""
-    g = math.lcm(_group(inp.key_policy), _group(inp.value_policy))
+    g = math.lcm(key_group(inp.key_policy), key_group(inp.value_policy))
     return max(g, block // g * g)
 
 

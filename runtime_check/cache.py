@@ -37,6 +37,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from exporters.codec import (CachePolicy, Encoded, TensorPolicy, check_exportable, decode, encode, pack_codes,
                             static_bits, unpack_codes)
+from exporters.ledger import key_group
 from exporters.rope import apply_rope, invert_rope
 from stages.base import InputError
 
@@ -414,8 +415,7 @@ class ArtifactLayer(CacheLayerMixin):
         self.sink: tuple[torch.Tensor, torch.Tensor] | None = None       # post-RoPE K, V rows (fp16)
         self.recent: tuple[torch.Tensor, torch.Tensor] | None = None     # post-RoPE K, V rows (fp16)
         # pages of whole per-channel groups of both K and V, so K and V pages cover the same rows
-        groups = math.lcm(*(p.group_size if (p.format == "uniform" and p.axis == "channel") else 1
-                            for p in (self.pk, self.pv)))
+        groups = math.lcm(key_group(self.pk), key_group(self.pv))
         self.page = -(-page // groups) * groups
         self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
         self.dtype = torch.float32
@@ -486,7 +486,7 @@ class ArtifactLayer(CacheLayerMixin):
         k, v = self.recent
         n = k.shape[2]
         r = self.policy.residual
-        g = self.pk.group_size if (self.pk.format == "uniform" and self.pk.axis == "channel") else 1
+        g = key_group(self.pk)
         n_out = ((n - r) // g) * g if n - r >= g else 0
         if n_out <= 0:
             return

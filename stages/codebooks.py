@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from threadpoolctl import threadpool_limits
 
-from exporters.codec import ALLOWED_BITS, token_outlier_bounds
+from exporters.codec import ALLOWED_BITS, nearest_level, token_outlier_bounds
 from stages.base import InputError, StageResult
 from stages.calibration_rows import CalibrationRows
 from stages.codebooks_kmeans import kmeans_1d_binned, kmeans_1d_lloyd, weighted_sse
@@ -89,9 +89,8 @@ def normalized_values(v: torch.Tensor, fraction: float) -> tuple[torch.Tensor, t
 
 
 def nearest_levels(x: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
-    """Each point's nearest level (ties to the lower one, as exporters.codec encodes)."""
-    mids = (centers[1:] + centers[:-1]) / 2
-    return centers[torch.bucketize(x.contiguous(), mids.contiguous())]
+    """Each point's nearest level, as exporters.codec encodes it."""
+    return centers[nearest_level(x, centers).long()]
 
 
 def q_norm(x: torch.Tensor, centers: torch.Tensor) -> tuple[torch.Tensor, float, float]:
