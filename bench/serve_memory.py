@@ -59,6 +59,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.common import wikitext_dir, write_json
+from runtime_check.cache import BLOCK, PAGE
 
 CACHES = ("fp16", "artifact", "materialize")
 MB = 2 ** 20
@@ -216,7 +217,8 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
     lm, policy = load(args)
     model = lm.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    ids = windows(lm.tokenizer, batch, context + args.steps)
+    shared = batch > 1 and not args.full_batch_prefill
+    ids = windows(lm.tokenizer, 1 if shared else batch, context + args.steps)
     trim()
     base = rss()
     interval = args.sample_ms / 1000
@@ -227,6 +229,9 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
             with PeakRSS(interval) as prefill_peak:
                 for s in range(0, context, args.chunk):
                     model(ids[:, s:min(s + args.chunk, context)], cache=cache, use_cache=True)
+                if shared:  # one prefill at batch 1, every stored row then repeated to the batch
+                    cache.batch_repeat_interleave(batch)
+                    ids = ids.repeat(batch, 1)
             prefill_s = time.perf_counter() - start
             trim()
             steps = []
@@ -244,7 +249,8 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
             "reserved_capacity_mb": acc["reserved_capacity_bytes"] / MB,
             "largest_temporary_mb": acc["largest_temporary_bytes"] / MB,
             "accounting_bytes": acc, "baseline_rss_mb": base / MB, "weights_mb": weights / MB,
-            "beyond_positions": bool(beyond), "dtype": str(next(model.parameters()).dtype)}
+            "beyond_positions": bool(beyond), "dtype": str(next(model.parameters()).dtype),
+            "prefill_batch": 1 if shared else batch}
 
 
 def run_row(args, context: int, batch: int, kind: str) -> dict:
@@ -331,8 +337,10 @@ def parse(argv=None):
     ap.add_argument("--caches", default=",".join(CACHES))
     ap.add_argument("--steps", type=int, default=16, help="decode steps per row (median reported)")
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk, tokens")
-    ap.add_argument("--block", type=int, default=1024, help="positions per block of the block-wise attention")
-    ap.add_argument("--page", type=int, default=1024, help="encoded rows per page of the artifact cache's storage")
+    ap.add_argument("--block", type=int, default=BLOCK, help="positions per block of the block-wise attention")
+    ap.add_argument("--page", type=int, default=PAGE, help="encoded rows per page of the artifact cache's storage")
+    ap.add_argument("--full-batch-prefill", action="store_true",
+                    help="prefill all `batch` windows (default: one window at batch 1, its cache repeated to the batch)")
     ap.add_argument("--sample-ms", type=float, default=2.0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--quality-contexts", type=_ints, default=[4096])
@@ -345,8 +353,10 @@ def parse(argv=None):
         ap.error("give --artifact DIR (or --recipe NAME for a calibration-free recipe)")
     raw = list(sys.argv[1:] if argv is None else argv)
     keep = ("--artifact", "--recipe", "--model", "--dtype", "--steps", "--chunk", "--block", "--page", "--sample-ms",
-            "--threads")
-    args.passthrough = [x for i, x in enumerate(raw) if x.split("=")[0] in keep or (i and raw[i - 1] in keep)]
+            "--threads", "--full-batch-prefill")
+    flags = ("--full-batch-prefill",)  # no value follows these
+    args.passthrough = [x for i, x in enumerate(raw)
+                        if x.split("=")[0] in keep or (i and raw[i - 1] in keep and raw[i - 1] not in flags)]
     return args
 
 

@@ -52,15 +52,102 @@ def _row_step(inp: DecodeInputs, block: int) -> int:
     return max(g, block // g * g)
 
 
-def _decoded_keys(inp: DecodeInputs, rows: StoredBlock) -> torch.Tensor:
-    """Stored key rows -> post-RoPE keys [B, H_kv, n, D] float32 (decode, x lambda, RoPE at their positions)."""
-    k = decode(load(rows, inp.key_policy), inp.key_policy)
-    if inp.smooth is not None:
-        k = k * inp.smooth.float()[None, :, None, :]
-    if inp.key_rope == "pre":
-        cos, sin = rotary_tables(inp.rotary, rows.start, rows.shape[2], torch.float32)
-        k = apply_rope(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
-    return k
+class _Reader:
+    """Decodes one layer's stored rows, block by block, for one attention call. nuq codes of 2, 4 or 8 bits are
+    read straight from their bytes through a table of every byte's levels (pack_codes' order: element j of a byte
+    at bits [j*b, (j+1)*b)), built once per call: for per-channel keys each entry already holds
+    (level x range + zero) x lambda of its (head, channel) -- the codec's per-element arithmetic, in the same
+    order, on the table instead of on every row -- for per-token rows the bare level, scaled per row after.
+    Sparse outliers replace their entries afterwards (x lambda for keys), as in exporters.codec.decode; every
+    other format goes through runtime_check.cache.load + exporters.codec.decode. Pre-RoPE keys are then rotated
+    at their positions with the model's rotary module's tables (float32)."""
+
+    def __init__(self, inp: DecodeInputs):
+        self.inp = inp
+        self.k_table = self._table(inp.key_policy, inp.smooth)
+        self.v_table = self._table(inp.value_policy, None)
+
+    @staticmethod
+    def _table(p, smooth) -> torch.Tensor | None:
+        if p.format != "nuq" or 8 % p.bits or p.rotation != "none":
+            return None
+        per = 8 // p.bits
+        byte = torch.arange(256, device=p.codebook.device)
+        codes = (byte[:, None] >> torch.arange(0, 8, p.bits, device=byte.device)) & ((1 << p.bits) - 1)
+        levels = p.codebook.float()[codes]                                     # [256, per]
+        if p.axis != "channel":
+            return levels
+        h, d = p.range.shape
+        n_bytes = -(-d // per)
+        pad = n_bytes * per - d
+
+        def channels(t):                                                       # [H, D] -> [H, n_bytes, 1, per]
+            t = t.float()
+            if pad:
+                t = torch.cat([t, t.new_zeros(h, pad)], 1)
+            return t.view(h, n_bytes, 1, per)
+
+        x = levels[None, None] * channels(p.range) + channels(p.zero)          # [H, n_bytes, 256, per]
+        if smooth is not None:
+            x = x * channels(smooth)
+        return x.reshape(h * n_bytes * 256, per)
+
+    def _decode(self, rows: StoredBlock, p, table, smooth) -> torch.Tensor:
+        if table is None:
+            x = decode(load(rows, p), p)
+            return x if smooth is None else x * smooth.float()[None, :, None, :]
+        b, h, n, d = rows.shape
+        s = rows.tensors
+        packed = s["codes"]                                                    # [B, H, n, n_bytes] uint8
+        n_bytes = packed.shape[-1]
+        if p.axis == "channel":
+            offset = (torch.arange(h * n_bytes, device=packed.device, dtype=torch.int32) * 256).view(h, 1, n_bytes)
+            idx = offset + packed                                              # int32
+        else:
+            idx = packed.to(torch.int32)
+        x = table.index_select(0, idx.reshape(-1)).view(b, h, n, -1)[..., :d]
+        if p.axis != "channel":
+            x = x * s["scale"].float() + s["zero"].float()
+        elif not x.is_contiguous():
+            x = x.contiguous()
+        if "outlier_count" in s and s["outlier_value"].numel():
+            counts = s["outlier_count"].reshape(-1).long()                     # [n * B], row = t * B + b
+            row = torch.repeat_interleave(torch.arange(n * b, device=counts.device), counts)
+            in_row = s["outlier_index"].long()                                 # h * D + d
+            head, ch = in_row // d, in_row % d
+            flat = ((row % b) * h + head) * (n * d) + (row // b) * d + ch
+            value = s["outlier_value"].float()
+            if smooth is not None:
+                value = value * smooth.float()[head, ch]
+            x.view(-1).index_put_((flat,), value)
+        return x
+
+    def keys(self, rows: StoredBlock) -> torch.Tensor:
+        """Stored key rows -> post-RoPE keys [B, H_kv, n, D] float32 (decode, x lambda, RoPE at their positions)."""
+        inp = self.inp
+        k = self._decode(rows, inp.key_policy, self.k_table, inp.smooth)
+        if inp.key_rope == "pre":
+            cos, sin = rotary_tables(inp.rotary, rows.start, rows.shape[2], torch.float32)
+            k = _rotate(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
+        return k
+
+    def values(self, rows: StoredBlock) -> torch.Tensor:
+        return self._decode(rows, self.inp.value_policy, self.v_table, None)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """exporters.rope.apply_rope(x [B, H, n, D], cos, sin [n, D]) written half by half into one output (x1 cos -
+    x2 sin, x2 cos + x1 sin): the same rotation without rotate_half's concatenation and the broadcast products,
+    for tables whose two halves repeat the frequencies (every rotary module transformers has); else apply_rope."""
+    h = x.shape[-1] // 2
+    c, s = cos[:, :h], sin[:, :h]
+    if x.shape[-1] % 2 or not (torch.equal(c, cos[:, h:]) and torch.equal(s, sin[:, h:])):
+        return apply_rope(x, cos, sin)
+    x1, x2 = x[..., :h], x[..., h:]
+    out = torch.empty_like(x)
+    torch.mul(x1, c, out=out[..., :h]).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=out[..., h:]).addcmul_(x1, s)
+    return out
 
 
 def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
@@ -82,6 +169,7 @@ def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
         raise ValueError(f"keys are stored in {len(k_pages)} pages, values in {len(v_pages)}: K and V pages must "
                          f"cover the same rows")
     step = _row_step(inp, block)
+    reader = _Reader(inp)
     for kb, vb in zip(k_pages, v_pages):  # each page read where it lies, in blocks that never cross a page
         if kb.start != pos or vb.start != pos or kb.shape[2] != vb.shape[2]:
             raise ValueError(f"stored pages must follow the {pos} rows before them: keys start {kb.start} "
@@ -96,7 +184,7 @@ def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
                 k_rows = slice_rows(kb, a, b, inp.key_policy, k_off)
                 v_rows = slice_rows(vb, a, b, inp.value_policy, v_off)
                 k_off, v_off = k_off + n_outliers(k_rows), v_off + n_outliers(v_rows)
-            yield _decoded_keys(inp, k_rows), decode(load(v_rows, inp.value_policy), inp.value_policy), pos + a
+            yield reader.keys(k_rows), reader.values(v_rows), pos + a
         pos += kb.shape[2]
     if inp.recent is not None:
         rk, rv = inp.recent

@@ -44,8 +44,8 @@ from stages.base import InputError
 ATTENTION_MODES = ("blockwise", "materialize")
 HELD_KINDS = ("codes", "scales_zero_points", "outliers", "sink", "residual", "static")  # accounting(): sum = nbytes
 PREFILL_MODES = ("full", "stored")   # what a chunk of T_q > 1 new tokens reads for its own rows (blockwise)
-BLOCK = 1024                         # positions per block of the block-wise attention
-PAGE = 1024                          # encoded rows per page of a layer's stored K or V (see PagedRows)
+BLOCK = 2048                         # positions per block of the block-wise attention
+PAGE = 2048                          # encoded rows per page of a layer's stored K or V (see PagedRows)
 
 
 @dataclass

@@ -60,6 +60,49 @@ def test_a_slice_of_stored_rows_decodes_like_those_rows_of_the_whole(p):
             slice_rows(block, 3, 9, p)
 
 
+def _nuq(bits: int, axis: str, d: int) -> TensorPolicy:
+    g = torch.Generator().manual_seed(bits)
+    book = torch.sort(torch.rand(2 ** bits, generator=g) * 2 - 1).values
+    if axis == "token":
+        return TensorPolicy(format="nuq", bits=bits, axis="token", codebook=book, outlier_fraction=0.05)
+    return TensorPolicy(format="nuq", bits=bits, axis="channel", codebook=book, zero=0.1 * torch.randn(3, d, generator=g),
+                        range=1 + torch.rand(3, d, generator=g), lower=-torch.ones(3, d), upper=torch.ones(3, d),
+                        outlier_fraction=0.05)
+
+
+@pytest.mark.parametrize("bits,axis,d,smooth", [(4, "channel", 16, True), (2, "channel", 14, True),
+                                                (8, "channel", 16, False), (4, "token", 16, False),
+                                                (2, "token", 10, False), (3, "channel", 16, True)])
+def test_the_readers_byte_tables_decode_as_the_codec(bits, axis, d, smooth):
+    """nuq rows read through a table of every byte's levels (range, zero and lambda folded in for per-channel
+    keys) equal exporters.codec.decode of the same bytes (x lambda), outliers included; bit widths that do not
+    divide a byte (3) take the codec's path."""
+    p = _nuq(bits, axis, d)
+    x = 1.5 * torch.randn(2, 3, 23, d, generator=torch.Generator().manual_seed(1))
+    rows = store(encode(x, p), p, start=5)
+    assert rows.tensors["outlier_value"].numel() > 5
+    lam = 0.5 + torch.rand(3, d, generator=torch.Generator().manual_seed(2)) if smooth else None
+    inp = blockwise.DecodeInputs(q=torch.zeros(2, 3, d), scaling=1.0, key_policy=p, value_policy=p, key_rope="post",
+                                 rotary=None, k_block=rows, v_block=rows, smooth=lam)
+    reader = blockwise._Reader(inp)
+    assert (reader.k_table is None) == (bits == 3)
+    want = decode(load(rows, p), p)
+    assert torch.equal(reader.values(rows), want)
+    assert torch.equal(reader.keys(rows), want if lam is None else want * lam[None, :, None, :])
+    part = slice_rows(rows, 4, 17, p)
+    assert torch.equal(reader.values(part), want[:, :, 4:17])
+
+
+def test_the_half_by_half_rotation_is_apply_rope():
+    from exporters.rope import apply_rope, rope_cos_sin
+
+    x = torch.randn(2, 3, 9, 16, generator=torch.Generator().manual_seed(3))
+    cos, sin = rope_cos_sin(torch.arange(100, 109), 16, 10000.0)
+    torch.testing.assert_close(blockwise._rotate(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
+    odd = torch.randn(9, 16)  # halves that differ: the general path
+    assert torch.equal(blockwise._rotate(x, odd, odd), apply_rope(x, odd, odd))
+
+
 def _oracle_cases(tiny, calib, name, context=40, batch=2):
     pol = _policy(tiny, calib, name)
     return record(tiny, pol, eval_ids(tiny.tokenizer, batch, context + 1))
