@@ -1,6 +1,10 @@
 """Serving from an artifact in a fresh process: greedy token agreement, passkey retrieval, cache bytes.
 
-python -m bench.serve --artifact DIR --json PATH
+python -m bench.serve --artifact DIR --json PATH [--attention blockwise|materialize]
+
+The artifact's cache is served as a runtime would: block-wise (runtime_check/blockwise.py, the default: the stored
+form read one block at a time, no decoded copy of the history; prompts attend to their own rows in full precision),
+or --attention materialize (every row decoded at every step for the model's own attention: the old path).
 
 - token agreement: 8 prompts of 512 tokens of wikitext-2 test.txt (after the 16 x 1024 evaluation windows),
   128 greedy new tokens with the artifact's cache vs a full-precision DynamicCache; the fraction of positions
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache
@@ -25,21 +30,34 @@ from exporters.native import load_artifact
 from pipeline.config import ModelConfig
 from pipeline.data import read_text, tokenize
 from pipeline.model import load_model
-from runtime_check.cache import ArtifactCache
+from runtime_check.cache import ArtifactCache, generate
 from stages.probes import passkey_prompt
 
-def greedy(model, prompt: torch.Tensor, n: int, cache) -> torch.Tensor:
-    """n greedy new tokens (exactly n: EOS cannot end one run early) through model.generate with the given cache."""
+def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "blockwise") -> torch.Tensor:
+    """n greedy new tokens (exactly n: EOS cannot end one run early) through model.generate: with a full-precision
+    DynamicCache (policy None) or the artifact's cache served with `attention` (runtime_check.cache.generate)."""
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False)
+        if policy is None:
+            out = model.generate(prompt, cache=DynamicCache(config=model.config), **kw)
+        else:
+            out, _ = generate(model, policy, prompt, attention=attention, **kw)
     return out[0, prompt.shape[1]:]
+
+
+def served(model, cache):
+    """The block-wise attention installed for a block-wise cache; nothing for another cache."""
+    if isinstance(cache, ArtifactCache) and cache.attention == "blockwise":
+        from runtime_check.blockwise import serving
+
+        return serving(model, cache)
+    return nullcontext()
 
 
 def forced(model, prompt: torch.Tensor, ref: torch.Tensor, cache) -> torch.Tensor:
     """Decode along the reference tokens (one token per step through the cache): the greedy choice at every step
     given the same context as the reference. -> [len(ref)] token ids."""
-    with torch.no_grad():
+    with torch.no_grad(), served(model, cache):
         preds = [model(prompt, cache=cache, use_cache=True).logits[0, -1].argmax()]
         for t in ref[:-1]:
             preds.append(model(t.view(1, 1), cache=cache, use_cache=True).logits[0, -1].argmax())
@@ -47,7 +65,7 @@ def forced(model, prompt: torch.Tensor, ref: torch.Tensor, cache) -> torch.Tenso
 
 
 def fill(model, cache, ids: torch.Tensor, chunk: int = 1024) -> None:
-    with torch.no_grad():
+    with torch.no_grad(), served(model, cache):
         for s in range(0, ids.shape[1], chunk):
             model(ids[:, s : s + chunk], cache=cache, use_cache=True)
 
@@ -61,6 +79,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="1024,4096,8192")
     ap.add_argument("--passkey-lengths", default="1024,2048,4096")
     ap.add_argument("--agreement", default="both", choices=["greedy", "forced", "both"])
+    ap.add_argument("--attention", default="blockwise", choices=["blockwise", "materialize"])
     args = ap.parse_args()
     start = time.perf_counter()
     lm = load_model(ModelConfig())
@@ -76,14 +95,15 @@ def main() -> None:
     for i in range(args.prompts):
         s = 16 * 1024 + i * 512
         prompt = ids[None, s : s + 512]
-        ref = greedy(model, prompt, args.new_tokens, DynamicCache(config=model.config))
+        ref = greedy(model, prompt, args.new_tokens)
         if args.agreement in ("greedy", "both"):
-            got = greedy(model, prompt, args.new_tokens, ArtifactCache(policy, model))
+            got = greedy(model, prompt, args.new_tokens, policy, args.attention)
             agree += int((ref == got).sum())
             diff = (ref != got).nonzero()
             first_diff.append(int(diff[0]) if diff.numel() else args.new_tokens)
         if args.agreement in ("forced", "both"):
-            agree_forced += int((forced(model, prompt, ref, ArtifactCache(policy, model)) == ref).sum())
+            cache = ArtifactCache(policy, model, attention=args.attention)
+            agree_forced += int((forced(model, prompt, ref, cache) == ref).sum())
         total += ref.numel()
     agreement = {}
     if args.agreement in ("greedy", "both"):
@@ -102,8 +122,8 @@ def main() -> None:
         for depth in (0.1, 0.3, 0.5, 0.7, 0.9):
             key = rng.randint(10000, 99999)
             prompt = torch.tensor([passkey_prompt(tok, n, depth, key)[0]])
-            for name, cache in (("fp16", DynamicCache(config=model.config)), ("artifact", ArtifactCache(policy, model))):
-                text = tok.decode(greedy(model, prompt, 8, cache))
+            for name, pol in (("fp16", None), ("artifact", policy)):
+                text = tok.decode(greedy(model, prompt, 8, pol, args.attention))
                 hits[name] += int(str(key) in text)
             trials += 1
         print(f"passkey up to {n} tokens: fp16 {hits['fp16']}/{trials}, artifact {hits['artifact']}/{trials}")
@@ -112,7 +132,7 @@ def main() -> None:
     cache_bytes = {}
     expected = expected_outliers(art.manifest)
     for t in (int(x) for x in args.lengths.split(",") if x):
-        cache = ArtifactCache(policy, model)
+        cache = ArtifactCache(policy, model, attention=args.attention)
         fill(model, cache, ids[None, :t])
         measured = cache.nbytes()
         predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=expected)
@@ -123,7 +143,8 @@ def main() -> None:
         print(f"cache bytes at {t} tokens: measured {measured:,} predicted {predicted:,.0f} "
               f"({measured / predicted - 1:+.3%}), fp16 {fp16:,} -> {measured / fp16:.3f} x fp16")
     print(f"wall {time.perf_counter() - start:.0f} s")
-    write_json(args.json, {**agreement, "passkey": passkey, "cache_bytes": cache_bytes})
+    write_json(args.json, {**agreement, "passkey": passkey, "cache_bytes": cache_bytes, "attention": args.attention,
+                           "wall_s": time.perf_counter() - start})
 
 
 if __name__ == "__main__":

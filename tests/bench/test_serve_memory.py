@@ -1,0 +1,29 @@
+"""bench/serve_memory.py on the tiny model (a calibration-free recipe, no artifact): every row in its own process,
+the JSON the issue asks for, a batch-B row holding B times the batch-1 cache (one window prefilled, its stored
+rows repeated to the batch), and the artifact cache holding fewer bytes than the full-precision one."""
+import json
+
+from bench import serve_memory
+
+
+def test_the_smoke_run_writes_every_row_and_the_batch_holds_its_copies(tmp_path):
+    out = tmp_path / "serve_memory.json"
+    serve_memory.main(["--model", "tiny", "--recipe", "int4-token", "--contexts", "48", "--batches", "1,2",
+                       "--caches", "fp16,artifact", "--steps", "2", "--chunk", "32", "--quality-contexts", "32",
+                       "--quality-prompts", "1", "--continuation", "8", "--passkey-lengths", "", "--json", str(out)])
+    res = json.loads(out.read_text())
+    rows = {(r["context"], r["batch"], r["cache"]): r for r in res["rows"]}
+    assert set(rows) == {(48, b, c) for b in (1, 2) for c in ("fp16", "artifact")}
+    for r in rows.values():
+        for key in ("peak_mb_above_weights", "prefill_s", "decode_ms_per_token"):
+            assert r[key] > 0, (key, r)
+        assert r["prefill_batch"] == 1
+        assert r["decode_ratio_to_fp16"] > 0
+    for cache in ("fp16", "artifact"):  # 48 + 2 rows per sequence, every sequence stored
+        one, two = rows[48, 1, cache]["accounting_bytes"], rows[48, 2, cache]["accounting_bytes"]
+        assert two["total"] == 2 * one["total"], cache
+    art, ref = rows[48, 1, "artifact"], rows[48, 1, "fp16"]
+    assert art["cache_mb"] < ref["cache_mb_at_fp16"]
+    assert set(res) >= {"rows", "agreement_per_step_4k", "passkey", "quality", "setup"}
+    assert 0 <= res["quality"]["32"]["agreement_per_step"] <= 1
+    assert res["passkey"] == {"fp16": 0, "artifact": 0} and res["setup"]["passkey_prompts"] == 0
