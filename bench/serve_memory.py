@@ -12,6 +12,11 @@ Three caches on the same windows of wikitext-2 test.txt, all through the model's
                (runtime_check/blockwise.py), prefill chunks attending to their own rows in full precision;
 - materialize: the same cache with attention="materialize" (every row decoded at every step: the old path).
 
+A batch-B row prefills one window at batch 1 and repeats its stored rows to the batch (Cache.batch_repeat_interleave:
+every row copied into each sequence's storage), then decodes B sequences -- memory and decode time are those of B
+sequences, prefill_s that of one window plus the repeat (`prefill_batch` in the row); --full-batch-prefill prefills
+B different windows instead (a 2-core CPU needs minutes per 16k window).
+
 Per (context, batch, cache) row, each in a fresh process (`--row`), so that no allocator state of another row is
 counted or reused: load the model, return freed heap pages to the OS (glibc malloc_trim) and read the resident
 set size (RSS) -- the baseline, the model's weights included (`weights_mb` reports them apart) -- then prefill the

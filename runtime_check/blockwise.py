@@ -5,9 +5,10 @@ For one layer (the stored form of runtime_check/cache.py, viewed as runtime_chec
 residual rows -- in blocks of at most `block` positions that never cross a page. A block of encoded rows is its
 page as stored, or cut from the page's bytes with runtime_check.cache.slice_rows (its slice of the packed codes,
 of the scales / zero-points and, from the prefix sum of the per-row counts, of the sparse outliers), and decoded
-exactly as the whole would be: runtime_check.cache.load + exporters.codec.decode, keys multiplied by the
-SmoothAttention lambda and, for pre-RoPE keys, rotated at their stored positions with the model's own rotary
-module (float32 tables, as the oracle). Each block's scores (scaling, GQA: query head j reads kv head
+exactly as the whole would be (_Reader: 2/4/8-bit nuq codes through a table of every byte's levels, bit-exact
+with exporters.codec.decode; other formats through runtime_check.cache.load + exporters.codec.decode), keys
+multiplied by the SmoothAttention lambda and, for pre-RoPE keys, rotated at their stored positions with the
+model's own rotary module (float32 tables, as the oracle). Each block's scores (scaling, GQA: query head j reads kv head
 j // (H_q / H_kv), the additive / boolean mask's columns or the causal rule: a query at position p sees rows at
 positions <= p) are merged with the online-softmax rule in float32 -- running max m, running sum l, accumulator
 rescaled by exp(m_old - m_new) -- the algorithm of the Triton kernel (runtime_check/triton_attention.py), in
