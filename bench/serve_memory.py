@@ -233,7 +233,7 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
             start = time.perf_counter()
             with PeakRSS(interval) as prefill_peak:
                 for s in range(0, context, args.chunk):
-                    model(ids[:, s:min(s + args.chunk, context)], cache=cache, use_cache=True)
+                    model(ids[:, s:min(s + args.chunk, context)], cache=cache, use_cache=True, logits_to_keep=1)
                 if shared:  # one prefill at batch 1, every stored row then repeated to the batch
                     cache.batch_repeat_interleave(batch)
                     ids = ids.repeat(batch, 1)
@@ -273,7 +273,7 @@ def teacher_forced(model, cache, kind: str, ids: torch.Tensor, context: int, chu
     out = []
     with torch.no_grad(), served(kind, model, cache):
         for s in range(0, context, chunk):
-            logits = model(ids[:, s:min(s + chunk, context)], cache=cache, use_cache=True).logits
+            logits = model(ids[:, s:min(s + chunk, context)], cache=cache, use_cache=True, logits_to_keep=1).logits
         out.append(logits[0, -1])
         for i in range(context, ids.shape[1] - 1):
             out.append(model(ids[:, i:i + 1], cache=cache, use_cache=True).logits[0, -1])

@@ -24,11 +24,15 @@ Serving (`serving`, `layer_attention`): installed through transformers' attentio
 runtime_check/reference.py's oracle); on CUDA that step is the Triton kernel, the GPU path of the same
 function. A chunk of T_q > 1 new tokens (prefill) reads the history before it from the stored form and, by
 default, its own rows in full precision as engines do (prefill="stored": as stored, what the materializing
-cache gives).
+cache gives); on CPU, with no mask, each history block and the own rows go through torch's fused attention
+(its log-sum-exp merged by the same online-softmax rule), so a prefill chunk never holds [T_q, n] scores.
+Serving registers stages.hooks.serving_mask: transformers passes None for an unpadded causal batch (the rule
+applied by position here), never a [T_q, T_k] mask.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Iterator
@@ -38,8 +42,8 @@ import torch
 from exporters.codec import decode
 from exporters.ledger import key_group
 from exporters.rope import apply_rope, rotary_tables
-from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers, pages_of,
-                                 slice_rows)
+from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers,
+                                 outlier_coordinates, pages_of, slice_rows)
 from runtime_check.inputs import DecodeInputs, from_layer, policy_to
 from stages.base import InputError
 
@@ -65,8 +69,9 @@ class _Reader:
 
     def __init__(self, inp: DecodeInputs):
         self.inp = inp
-        self.k_table = self._table(inp.key_policy, inp.smooth)
-        self.v_table = self._table(inp.value_policy, None)
+        self.halves: bool | None = None  # whether the rotary tables' two halves repeat (see _rotate)
+        self.k_table = self._wide(self._table(inp.key_policy, inp.smooth))
+        self.v_table = self._wide(self._table(inp.value_policy, None))
 
     @staticmethod
     def _table(p, smooth) -> torch.Tensor | None:
@@ -93,6 +98,15 @@ class _Reader:
             x = x * channels(smooth)
         return x.reshape(h * n_bytes * 256, per)
 
+    @staticmethod
+    def _wide(table: torch.Tensor | None) -> torch.Tensor | None:
+        """A table [N, per] float32 viewed as N elements of per x 4 bytes (float64 for per = 2, complex128 for 4),
+        so that one index_select moves a byte's `per` levels as one element (about twice as fast on CPU)."""
+        if table is None:
+            return None
+        wide = {1: torch.float32, 2: torch.float64, 4: torch.complex128}[table.shape[1]]
+        return table.contiguous().view(wide).view(-1)
+
     def _decode(self, rows: StoredBlock, p, table, smooth) -> torch.Tensor:
         if table is None:
             x = decode(load(rows, p), p)
@@ -106,17 +120,14 @@ class _Reader:
             idx = offset + packed                                              # int32
         else:
             idx = packed.to(torch.int32)
-        x = table.index_select(0, idx.reshape(-1)).view(b, h, n, -1)[..., :d]
+        x = table.index_select(0, idx.reshape(-1)).view(torch.float32).view(b, h, n, -1)[..., :d]
         if p.axis != "channel":
             x = x * s["scale"].float() + s["zero"].float()
         elif not x.is_contiguous():
             x = x.contiguous()
         if "outlier_count" in s and s["outlier_value"].numel():
-            counts = s["outlier_count"].reshape(-1).long()                     # [n * B], row = t * B + b
-            row = torch.repeat_interleave(torch.arange(n * b, device=counts.device), counts)
-            in_row = s["outlier_index"].long()                                 # h * D + d
-            head, ch = in_row // d, in_row % d
-            flat = ((row % b) * h + head) * (n * d) + (row // b) * d + ch
+            seq, head, t, ch = outlier_coordinates(rows)
+            flat = ((seq * h + head) * n + t) * d + ch                         # x is contiguous [B, H, n, D]
             value = s["outlier_value"].float()
             if smooth is not None:
                 value = value * smooth.float()[head, ch]
@@ -128,22 +139,50 @@ class _Reader:
         inp = self.inp
         k = self._decode(rows, inp.key_policy, self.k_table, inp.smooth)
         if inp.key_rope == "pre":
-            cos, sin = rotary_tables(inp.rotary, rows.start, rows.shape[2], torch.float32)
-            k = _rotate(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
+            cos, sin = rope_at(inp.rotary, rows.start, rows.shape[2], k.device)
+            if self.halves is None:  # decided once per call, on its first block: a property of the rotary module
+                self.halves = _repeated_halves(cos, sin)
+            k = _rotate(k, cos, sin) if self.halves else apply_rope(k, cos, sin)
         return k
 
     def values(self, rows: StoredBlock) -> torch.Tensor:
         return self._decode(rows, self.inp.value_policy, self.v_table, None)
 
 
+_ROPE: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def rope_at(rotary: torch.nn.Module, start: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n, D] float32 at positions start..start+n-1 on `device`: slices of one table per rotary module
+    (positions 0..N-1 from exporters.rope.rotary_tables, N grown as positions come: a quarter beyond the last one
+    asked, at least 4096), so that every block, layer and step reads the same table instead of recomputing it.
+    Each entry is cos / sin of one product position x inv_freq, so a slice equals the tables computed at `start`.
+    Recomputed when inv_freq changes; rotary modules that rescale with the sequence length ("dynamic" rope types)
+    compute every call. The table is held beside the cache (positions x D x 8 bytes: 16 MB at 32k, D = 64)."""
+    if "dynamic" in str(getattr(rotary, "rope_type", "")):
+        cos, sin = rotary_tables(rotary, start, n, torch.float32)
+        return cos[0].float().to(device), sin[0].float().to(device)
+    key = (rotary.inv_freq.data_ptr(), rotary.inv_freq._version, str(device))
+    held = _ROPE.get(rotary)
+    end = start + n
+    if held is None or held[0] != key or held[1].shape[0] < end:
+        cos, sin = rotary_tables(rotary, 0, max(4096, end + end // 4), torch.float32)
+        held = _ROPE[rotary] = (key, cos[0].float().to(device), sin[0].float().to(device))
+    return held[1][start:end], held[2][start:end]
+
+
+def _repeated_halves(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the tables [n, D] repeat their frequencies in both halves (every rotary module transformers has)."""
+    h = cos.shape[-1] // 2
+    return cos.shape[-1] % 2 == 0 and torch.equal(cos[:, :h], cos[:, h:]) and torch.equal(sin[:, :h], sin[:, h:])
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """exporters.rope.apply_rope(x [B, H, n, D], cos, sin [n, D]) written half by half into one output (x1 cos -
-    x2 sin, x2 cos + x1 sin): the same rotation without rotate_half's concatenation and the broadcast products,
-    for tables whose two halves repeat the frequencies (every rotary module transformers has); else apply_rope."""
+    """exporters.rope.apply_rope(x [B, H, n, D], cos, sin [n, D]) for tables with repeated halves
+    (_repeated_halves), written half by half into one output (x1 cos - x2 sin, x2 cos + x1 sin): the same rotation
+    without rotate_half's concatenation and the broadcast products."""
     h = x.shape[-1] // 2
     c, s = cos[:, :h], sin[:, :h]
-    if x.shape[-1] % 2 or not (torch.equal(c, cos[:, h:]) and torch.equal(s, sin[:, h:])):
-        return apply_rope(x, cos, sin)
     x1, x2 = x[..., :h], x[..., h:]
     out = torch.empty_like(x)
     torch.mul(x1, c, out=out[..., :h]).addcmul_(x2, s, value=-1)
@@ -213,16 +252,41 @@ def _on_device(inp: DecodeInputs, device: torch.device) -> DecodeInputs:
                    smooth=None if inp.smooth is None else inp.smooth.to(device))
 
 
+def _fused_op(device: torch.device):
+    """torch's fused CPU attention that also returns the log-sum-exp of each query's scores (what merging a block
+    into the online softmax needs), or None where there is none."""
+    if device.type != "cpu":
+        return None
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge(state, o: torch.Tensor, lse: torch.Tensor):
+    """Fold a block's normalized output o [..., T_q, D] and log-sum-exp lse [..., T_q] into the running
+    (m, l, acc) of the online softmax: the block counts as m_b = lse, l_b = 1, acc_b = o."""
+    m, l, acc = state
+    m_new = torch.maximum(m, lse)
+    m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+    alpha, beta = torch.exp(m - m_safe), torch.exp(lse - m_safe)
+    return m_new, l * alpha + beta, acc * alpha[..., None] + o * beta[..., None]
+
+
 def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q_start: int,
            own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
-           block: int = BLOCK, stats: dict | None = None) -> torch.Tensor:
+           block: int = BLOCK, stats: dict | None = None, fused: bool | None = None) -> torch.Tensor:
     """Attention of query [B, H_q, T_q, D] (post-RoPE; query i at position q_start + i) over the stored rows at
     positions < limit and then `own` rows (K, V [B, H_kv, n, D] at positions limit..limit+n-1, read as given).
     mask: None (causal by position) or transformers' [B | 1, 1, T_q, >= limit + n] additive float or boolean
     mask, its columns indexed by position. stats: {"largest_decode_temporary_bytes" (T_q == 1),
     "largest_prefill_temporary_bytes"}, raised to this call's largest working set (decoded K and V of a block,
     its scores and probabilities, the query, running max / sum and accumulator; the codec's transient tensors
-    while decoding a block come on top). -> [B, H_q, T_q, D] float32."""
+    while decoding a block come on top). -> [B, H_q, T_q, D] float32.
+
+    fused (None: where it applies): a chunk of T_q > 1 queries with no mask (causal by position) on CPU has each
+    block of rows wholly before its queries attended by torch's fused CPU attention, which returns the block's
+    output and log-sum-exp without holding its [T_q, n] scores, merged by the same rule; its own rows (q_start ==
+    limit: the rows at the queries' positions) as one causal fused call. The same arithmetic up to float rounding
+    (tests/runtime_check/test_blockwise.py); everything else -- single tokens, masks, other devices -- the scores
+    of each block in float32, as the Triton kernel."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     b, h_q, t_q, d = query.shape
@@ -235,18 +299,29 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     if mask is not None and mask.shape[-1] < limit + n_own:
         raise ValueError(f"the mask covers {mask.shape[-1]} key positions, the attention reads {limit + n_own}")
     g = h_q // h_kv
-    q = query.float().reshape(b, h_kv, g, t_q, d)
+    op = _fused_op(device) if t_q > 1 and mask is None and fused is not False else None
+    if fused and op is None:
+        raise ValueError(f"fused attention needs T_q > 1 queries, no mask and a CPU tensor (T_q={t_q}, "
+                         f"mask {'given' if mask is not None else 'None'}, device {device})")
+    q = query.float().reshape(b, h_kv, g, t_q, d).contiguous()
     q_pos = torch.arange(q_start, q_start + t_q, device=device)
     m = torch.full((b, h_kv, g, t_q), float("-inf"), device=device)
     l = torch.zeros(b, h_kv, g, t_q, device=device)
     acc = torch.zeros(b, h_kv, g, t_q, d, device=device)
+    own_fused = op is not None and own is not None and q_start == limit and n_own == t_q
     blocks = stored_blocks(inp, limit, block)
-    if own is not None:
+    if own is not None and not own_fused:
         blocks = _chain(blocks, _own_blocks(own, limit, block))
     largest = 0
     for k, v, p0 in blocks:
         n = k.shape[2]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q, k.to(device)) * scaling          # [B, H_kv, G, T_q, n]
+        k, v = k.to(device), v.to(device)
+        if op is not None and p0 + n - 1 <= q_start:  # every row before every query: one fused call
+            o, lse = op(q.view(b, h_kv, g * t_q, d), k, v, scale=scaling)[:2]
+            m, l, acc = _merge((m, l, acc), o.reshape(b, h_kv, g, t_q, d), lse.reshape(b, h_kv, g, t_q))
+            largest = max(largest, sum(t.numel() * t.element_size() for t in (k, v, o, lse)))
+            continue
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling                     # [B, H_kv, G, T_q, n]
         if mask is not None:
             cols = mask[..., p0:p0 + n][:, :, None].to(device)                        # [B, 1, 1, T_q, n]
             s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols.float()
@@ -258,9 +333,14 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
         p = torch.exp(s - m_safe[..., None])
         alpha = torch.exp(m - m_safe)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, v.to(device))
+        acc = acc * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, v)
         m = m_new
         largest = max(largest, sum(t.numel() * t.element_size() for t in (k, v, s, p)))
+    if own_fused:  # the chunk's own rows, causal: query i sees own rows 0..i
+        k, v = (x.float().repeat_interleave(g, dim=1) for x in own)                   # [B, H_q, T_q, D]
+        o, lse = op(query.float(), k, v, is_causal=True, scale=scaling)[:2]
+        m, l, acc = _merge((m, l, acc), o.reshape(b, h_kv, g, t_q, d), lse.reshape(b, h_kv, g, t_q))
+        largest = max(largest, sum(t.numel() * t.element_size() for t in (k, v, o, lse)))
     if stats is not None:
         live = sum(t.numel() * t.element_size() for t in (q, m, l, acc))
         key = "largest_decode_temporary_bytes" if t_q == 1 else "largest_prefill_temporary_bytes"
@@ -331,7 +411,7 @@ def serving(model: torch.nn.Module, cache: ArtifactCache, kernel: bool | None = 
     previous = cache.served
     cache.served = True
     try:
-        with attention_override(model, attention):
+        with attention_override(model, attention, mask="serving"):
             yield cache
     finally:
         cache.served = previous

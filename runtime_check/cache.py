@@ -342,6 +342,17 @@ def slice_rows(block: StoredBlock, a: int, b: int, p: TensorPolicy, outlier_star
     return StoredBlock(block.start + a, (bsz, h, b - a, d), out)
 
 
+def outlier_coordinates(block: StoredBlock) -> tuple[torch.Tensor, ...]:
+    """The stored sparse outliers' (batch, head, row, channel) indices, long [N] each, in their stored order:
+    counts per row t-major (row = t * B + b), each outlier's index within its row h * D + d (see `store`)."""
+    b, h, t, d = block.shape
+    s = block.tensors
+    counts = s["outlier_count"].long().flatten()              # [T * B], t-major
+    row = torch.repeat_interleave(torch.arange(b * t, device=counts.device), counts)
+    in_row = s["outlier_index"].long()
+    return row % b, in_row // d, row // b, in_row % d
+
+
 def load(block: StoredBlock, p: TensorPolicy) -> Encoded:
     b, h, t, d = block.shape
     s = block.tensors
@@ -352,10 +363,7 @@ def load(block: StoredBlock, p: TensorPolicy) -> Encoded:
         if name in s:
             setattr(e, name, s[name].float())
     if "outlier_count" in s:
-        counts = s["outlier_count"].long().flatten()          # [T * B], t-major
-        row = torch.repeat_interleave(torch.arange(b * t, device=counts.device), counts)
-        in_row = s["outlier_index"].long()
-        e.outlier_index = torch.stack([row % b, in_row // d, row // b, in_row % d], dim=1)
+        e.outlier_index = torch.stack(outlier_coordinates(block), dim=1)
         e.outlier_value = s["outlier_value"]
     return e
 

@@ -13,9 +13,10 @@ import torch
 
 from exporters.rope import rotary_tables
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
 ATTN_NAME = "kvcalib"
+SERVE_NAME = "kvcalib-serve"  # the same dispatch, with serving_mask: None for a causal, unpadded batch
 _ACTIVE: list[Callable] = []
 
 
@@ -29,21 +30,46 @@ def _dispatch(module, query, key, value, attention_mask, scaling, dropout=0.0, *
 _REGISTERED: list[bool] = []
 
 
+def serving_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function: Callable = causal_mask_function, attention_mask: torch.Tensor | None = None,
+                 local_size: int | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask of the serving attention: None when every query sees exactly the positions up to its own (causal,
+    no padding, no local window) -- the attention applies that rule by position and never holds a [T_q, T_k]
+    mask -- else transformers' boolean [B, 1, T_q, T_k] mask (True: attended)."""
+    if mask_function is causal_mask_function and local_size is None and (attention_mask is None
+                                                                        or bool(attention_mask.all())):
+        return None
+    if attention_mask is not None:
+        attention_mask = attention_mask.bool()
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                     local_size, allow_is_causal_skip=False, **kwargs)
+
+
+MASKS = {"eager": ATTN_NAME, "serving": SERVE_NAME}
+
+
 def register_attention() -> None:
-    """Register the dispatching attention (and its eager mask) with transformers under ATTN_NAME; idempotent."""
+    """Register the dispatching attention with transformers under ATTN_NAME (eager additive float masks) and
+    SERVE_NAME (serving_mask); idempotent."""
     if not _REGISTERED:
         AttentionInterface.register(ATTN_NAME, _dispatch)
         AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+        AttentionInterface.register(SERVE_NAME, _dispatch)
+        AttentionMaskInterface.register(SERVE_NAME, serving_mask)
         _REGISTERED.append(True)
 
 
 @contextmanager
-def attention_override(model: torch.nn.Module, fn: Callable) -> Iterator[None]:
-    """Within the block every attention layer calls fn(module, q, k, v, mask, scaling) -> [B, T, H_q, D]."""
+def attention_override(model: torch.nn.Module, fn: Callable, mask: str = "eager") -> Iterator[None]:
+    """Within the block every attention layer calls fn(module, q, k, v, mask, scaling) -> [B, T, H_q, D].
+    mask: "eager" (transformers' additive float mask [B, 1, T_q, T_k]) or "serving" (serving_mask: None or
+    boolean)."""
+    if mask not in MASKS:
+        raise ValueError(f"attention_override: mask must be one of {sorted(MASKS)}, got {mask!r}")
     register_attention()
     config = model.config
     previous = config._attn_implementation
-    config._attn_implementation = ATTN_NAME
+    config._attn_implementation = MASKS[mask]
     _ACTIVE.append(fn)
     try:
         yield

@@ -98,9 +98,23 @@ def test_the_half_by_half_rotation_is_apply_rope():
 
     x = torch.randn(2, 3, 9, 16, generator=torch.Generator().manual_seed(3))
     cos, sin = rope_cos_sin(torch.arange(100, 109), 16, 10000.0)
+    assert blockwise._repeated_halves(cos, sin)
     torch.testing.assert_close(blockwise._rotate(x, cos, sin), apply_rope(x, cos, sin), rtol=1e-6, atol=1e-6)
-    odd = torch.randn(9, 16)  # halves that differ: the general path
-    assert torch.equal(blockwise._rotate(x, odd, odd), apply_rope(x, odd, odd))
+    odd = torch.randn(9, 16)  # halves that differ: the reader takes apply_rope
+    assert not blockwise._repeated_halves(odd, odd) and not blockwise._repeated_halves(cos[:, :15], sin[:, :15])
+
+
+def test_the_shared_rope_table_is_the_rotary_modules_own(tiny):
+    """rope_at's slices of one table equal the rotary module's tables computed at that start, bit for bit,
+    before and after the table grows."""
+    from exporters.rope import rotary_tables
+
+    rotary = tiny.model.model.rotary_emb
+    for start, n in ((0, 7), (4090, 9), (5000, 2048), (12, 1)):
+        cos, sin = blockwise.rope_at(rotary, start, n, torch.device("cpu"))
+        ref_cos, ref_sin = rotary_tables(rotary, start, n, torch.float32)
+        assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0]), (start, n)
+    assert blockwise._ROPE[rotary][1].shape[0] >= 7048
 
 
 def _oracle_cases(tiny, calib, name, context=40, batch=2):
@@ -140,8 +154,8 @@ def test_planted_faults_fail_the_comparison(tiny, calib, monkeypatch, fault):
     if fault == "outlier offsets restart per block":
         monkeypatch.setattr(blockwise, "n_outliers", lambda rows: 0)
     elif fault == "RoPE from the block's first position":
-        real = blockwise.rotary_tables
-        monkeypatch.setattr(blockwise, "rotary_tables", lambda rotary, start, n, dtype: real(rotary, 0, n, dtype))
+        real = blockwise.rope_at
+        monkeypatch.setattr(blockwise, "rope_at", lambda rotary, start, n, device: real(rotary, 0, n, device))
     else:
         real = blockwise.slice_rows
         monkeypatch.setattr(blockwise, "slice_rows", lambda block, a, b, p, off: real(block, a, max(a + 1, b - 1), p, off))
@@ -388,3 +402,46 @@ def test_every_reader_reads_the_pages(tiny, calib, name):
                     triton_attention.decode_attention(inp)):
             res = compare(got, ref)
             assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
+
+
+@pytest.mark.parametrize("prefill", ["full", "stored"])
+def test_the_fused_prefill_equals_the_block_scores(tiny, calib, monkeypatch, prefill):
+    """Prefill chunks (the first: own rows only; the second: history from the stored form, then its own rows)
+    through torch's fused CPU attention merged by log-sum-exp give the logits of the per-block float32 scores
+    (the fused op switched off), to float rounding; single-token steps are the same path either way."""
+    pol = replace(_policy(tiny, calib, "kvquant-4b-1pct"), residual=3)
+    ids = eval_ids(tiny.tokenizer, 2, 40)
+    chunks = [ids[:, :17], ids[:, 17:33], ids[:, 33:34], ids[:, 34:40]]
+
+    def run():
+        cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=BLOCK, prefill=prefill)
+        with torch.no_grad(), blockwise.serving(tiny.model, cache):
+            return [tiny.model(c, cache=cache).logits for c in chunks]
+
+    calls = []
+    real = blockwise._fused_op
+
+    def counted(device):
+        op = real(device)
+        return None if op is None else (lambda *a, **kw: calls.append(kw.get("is_causal", False)) or op(*a, **kw))
+
+    monkeypatch.setattr(blockwise, "_fused_op", counted)
+    fused = run()
+    assert any(calls) == (prefill == "full") and not all(calls)  # history blocks fused; own rows only when "full"
+    monkeypatch.setattr(blockwise, "_fused_op", lambda device: None)
+    scores = run()
+    for a, b in zip(fused, scores):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+def test_the_serving_mask_is_none_unless_padded():
+    """Serving reads `None` as causal by position: given for an unpadded causal batch, never for a padded one."""
+    from stages.hooks import serving_mask
+
+    assert serving_mask(2, 5, 9, q_offset=4, attention_mask=torch.ones(2, 9, dtype=torch.long)) is None
+    assert serving_mask(1, 1, 9, q_offset=8) is None
+    pad = torch.ones(2, 9, dtype=torch.long)
+    pad[1, 0] = 0
+    mask = serving_mask(2, 5, 9, q_offset=4, attention_mask=pad)
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, 5, 9)
+    assert not mask[1, 0, :, 0].any() and mask[0, 0, :, 0].all() and not mask[0, 0, 0, 5:].any()
