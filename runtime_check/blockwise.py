@@ -272,7 +272,7 @@ def _merge(state, o: torch.Tensor, lse: torch.Tensor):
 
 def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q_start: int,
            own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
-           block: int = BLOCK, stats: dict | None = None, fused: bool | None = None) -> torch.Tensor:
+           block: int = BLOCK, stats: dict | None = None) -> torch.Tensor:
     """Attention of query [B, H_q, T_q, D] (post-RoPE; query i at position q_start + i) over the stored rows at
     positions < limit and then `own` rows (K, V [B, H_kv, n, D] at positions limit..limit+n-1, read as given).
     mask: None (causal by position) or transformers' [B | 1, 1, T_q, >= limit + n] additive float or boolean
@@ -281,7 +281,7 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     its scores and probabilities, the query, running max / sum and accumulator; the codec's transient tensors
     while decoding a block come on top). -> [B, H_q, T_q, D] float32.
 
-    fused (None: where it applies): a chunk of T_q > 1 queries with no mask (causal by position) on CPU has each
+    Fused where it applies: a chunk of T_q > 1 queries with no mask (causal by position) on CPU has each
     block of rows wholly before its queries attended by torch's fused CPU attention, which returns the block's
     output and log-sum-exp without holding its [T_q, n] scores, merged by the same rule; its own rows (q_start ==
     limit: the rows at the queries' positions) as one causal fused call. The same arithmetic up to float rounding
@@ -299,10 +299,7 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     if mask is not None and mask.shape[-1] < limit + n_own:
         raise ValueError(f"the mask covers {mask.shape[-1]} key positions, the attention reads {limit + n_own}")
     g = h_q // h_kv
-    op = _fused_op(device) if t_q > 1 and mask is None and fused is not False else None
-    if fused and op is None:
-        raise ValueError(f"fused attention needs T_q > 1 queries, no mask and a CPU tensor (T_q={t_q}, "
-                         f"mask {'given' if mask is not None else 'None'}, device {device})")
+    op = _fused_op(device) if t_q > 1 and mask is None else None
     q = query.float().reshape(b, h_kv, g, t_q, d).contiguous()
     q_pos = torch.arange(q_start, q_start + t_q, device=device)
     m = torch.full((b, h_kv, g, t_q), float("-inf"), device=device)
