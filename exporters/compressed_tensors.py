@@ -1,26 +1,48 @@
-"""FP8 KV-cache scales in the layout vLLM and SGLang load (llm-compressor / compressed-tensors convention).
+"""FP8 KV-cache scales as a checkpoint vLLM serves as is (the llm-compressor / compressed-tensors convention).
 
-`config.json` gets `quantization_config = {quant_method: "compressed-tensors", format, config_groups: {},
-kv_cache_scheme: {num_bits: 8, type: "float", strategy: "tensor" | "attn_head", symmetric: true, dynamic: false}}`
-and the tensors `model.layers.N.self_attn.k_scale` / `v_scale` (float32; shape [] per tensor, [n_kv_heads] per
-head) go into a safetensors file beside the model's weights. scale = amax / 448 (E4M3): a runtime stores
-fp8(x / scale) and multiplies back. Scales come from calibration, never defaults: an all-zero amax gives 1.0
-only for a channel that never fired, and an all-one scale set is refused (the silent-default failure users
-report for other tools).
+A vLLM checkpoint folder (docs/vllm.md) is a Hugging Face model folder plus the calibrated scales:
+- the model's weight shards (`*.safetensors`) and `model.safetensors.index.json`, whose `weight_map` names every
+  weight AND every scale: vLLM loads only the files the index lists, so a scales file missing from it is dropped
+  silently and vLLM's compressed-tensors KV method keeps its initial 1.0 scales;
+- `kv_cache_scales.safetensors`: `model.layers.N.self_attn.k_scale` / `v_scale`, float32 shape [] (what
+  vLLM 0.32's maybe_remap_kv_scale_name maps to `model.layers.N.self_attn.attn.k_scale`). scale = amax / 448
+  (E4M3): the engine stores fp8(x / scale) and multiplies back. No q_scale: vLLM's CPU attention never quantizes
+  queries, and no query statistics are calibrated (docs/vllm.md);
+- `config.json` with `architectures` and `quantization_config = {quant_method: "compressed-tensors", format,
+  config_groups: {}, ignore: [], quantization_status: "compressed", kv_cache_scheme: {num_bits: 8, type: "float",
+  strategy: "tensor", symmetric: true, dynamic: false}}`;
+- the tokenizer files, and `kvcalib/`: the native artifact (manifest.json + tensors.safetensors) the scales come
+  from, with `kvcalib/checkpoint.json` listing every file of the folder with its sha256 (verify_checkpoint).
+
+Scales come from calibration, never defaults: an all-one scale set is refused (the silent-default failure).
+Per-head scales (strategy attn_head) are written only by `kv_scale_tensors` for other consumers; the checkpoint
+refuses them: vLLM 0.32 serves one float per layer on its CPU backend (the max over heads).
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+
+from exporters.checksums import sha256_file
+from exporters.manifest import ChecksumError, ManifestError
 
 SCALES_FILE = "kv_cache_scales.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ARTIFACT_DIR = "kvcalib"              # the native artifact inside a checkpoint folder
+RECORD_FILE = "checkpoint.json"       # kvcalib/checkpoint.json: every file of the folder with its sha256
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+SCALE_NAMES = ("k_scale", "v_scale")
+
+
+class CheckpointError(ManifestError):
+    """A checkpoint folder that is incomplete, inconsistent with its artifact, or not servable as claimed."""
+
+
+def scale_name(layer: int, which: str) -> str:
+    return f"model.layers.{layer}.self_attn.{which}"
 
 
 def kv_scale_tensors(k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -30,7 +52,7 @@ def kv_scale_tensors(k_scales: list[torch.Tensor], v_scales: list[torch.Tensor])
             s = s.detach().float().reshape(-1) if s.dim() else s.detach().float().reshape(())
             if not torch.isfinite(s).all() or (s <= 0).any():
                 raise ValueError(f"layer {i} {name}: scales must be finite and positive, got {s.tolist()}")
-            out[f"model.layers.{i}.self_attn.{name}"] = s.contiguous()
+            out[scale_name(i, name)] = s.contiguous()
     if all(bool((t == 1).all()) for t in out.values()):
         raise ValueError("every k_scale / v_scale is 1.0: refusing to export uncalibrated default scales")
     return out
@@ -39,29 +61,120 @@ def kv_scale_tensors(k_scales: list[torch.Tensor], v_scales: list[torch.Tensor])
 def quantization_config(axis: str) -> dict:
     if axis not in STRATEGIES:
         raise ValueError(f"fp8 scale axis must be one of {tuple(STRATEGIES)}, got {axis!r}")
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {},
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {}, "ignore": [],
+            "quantization_status": "compressed",
             "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": STRATEGIES[axis], "symmetric": True,
                                 "dynamic": False}}
 
 
-def write(directory: str | Path, model_config: dict, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
-          axis: str, overwrite: bool = False) -> Path:
-    """Writes config.json (the model's config plus quantization_config) and kv_cache_scales.safetensors."""
-    final = Path(directory)
-    if final.exists() and not overwrite:
-        raise FileExistsError(f"{str(final)!r} already exists; pass overwrite=True to replace it")
-    tensors = kv_scale_tensors(k_scales, v_scales)
-    config = dict(model_config)
-    config["quantization_config"] = quantization_config(axis)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
-        save_file(tensors, str(tmp / SCALES_FILE))
-        (tmp / "config.json").write_text(json.dumps(config, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+def checkpoint_config(config: dict, architecture: str) -> dict:
+    """The model's config.json with the KV-cache quantization_config (per-tensor) and `architectures` set.
+    A source already quantized (its own quantization_config) is refused: merging two schemes is not verified."""
+    existing = config.get("quantization_config")
+    if existing:
+        raise CheckpointError(f"config.json quantization_config: the source model is already quantized "
+                              f"(quant_method {existing.get('quant_method')!r}); the vLLM checkpoint adds the KV-cache "
+                              f"scheme to an unquantized model only")
+    out = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+    out["architectures"] = list(config.get("architectures") or [architecture])
+    out["quantization_config"] = quantization_config("tensor")
+    return out
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensor names a safetensors file holds (its header only)."""
+    with safe_open(str(path), framework="pt") as f:
+        return list(f.keys())
+
+
+def merged_index(weight_map: dict[str, str], total_size: int, scales: dict[str, torch.Tensor]) -> dict:
+    """model.safetensors.index.json for the weights plus the scales file. A weight named like a scale (a source
+    checkpoint that carries its own KV scales) is refused rather than silently shadowed."""
+    clash = sorted(set(weight_map) & set(scales))
+    if clash:
+        raise CheckpointError(f"model.safetensors.index.json: the source weights already hold KV-cache scales "
+                              f"({clash[:3]}...); refusing to replace them")
+    if SCALES_FILE in set(weight_map.values()):
+        raise CheckpointError(f"model.safetensors.index.json: a source shard is named {SCALES_FILE}")
+    extra = sum(t.numel() * t.element_size() for t in scales.values())
+    merged = dict(weight_map) | {name: SCALES_FILE for name in scales}
+    return {"metadata": {"total_size": int(total_size) + int(extra)}, "weight_map": dict(sorted(merged.items()))}
+
+
+def scales_of(policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-tensor fp8 scales of a policy vLLM can serve as a checkpoint, or CheckpointError naming the field:
+    fp8 e4m3, one scale per tensor, post-RoPE keys, every row quantized (no sink, residual, smoothing or prefix:
+    vLLM's cache has none of them)."""
+    refusals = []
+    for field, got, ok in (("cache/key_rope", policy.key_rope, "post"), ("cache/n_sink", policy.n_sink, 0),
+                           ("cache/residual", policy.residual, 0)):
+        if got != ok:
+            refusals.append(f"{field}: vLLM's cache allows {ok!r}, got {got!r}")
+    if policy.smooth is not None:
+        refusals.append("cache/smoothing: vLLM's cache takes no SmoothAttention scales; allowed null")
+    if policy.prefix_ids is not None and policy.prefix_ids.numel():
+        refusals.append("cache/prefix: vLLM's cache takes no prefix rows; allowed null")
+    for i, (k, v) in enumerate(policy.layers):
+        for kind, p in (("key", k), ("value", v)):
+            where = f"layers/{i}/{kind}"
+            if p.format != "fp8":
+                refusals.append(f"{where}/format: vLLM's scaled cache is fp8; allowed 'fp8', got {p.format!r}")
+            elif p.fp8_dtype != "e4m3":
+                refusals.append(f"{where}/fp8_dtype: allowed 'e4m3' (kv_cache_dtype=fp8), got {p.fp8_dtype!r}")
+            elif p.axis != "tensor":
+                refusals.append(f"{where}/axis: allowed 'tensor' (vLLM 0.32's CPU attention reads one scale per "
+                                f"layer), got {p.axis!r}")
+    if refusals:
+        raise CheckpointError(f"recipe {policy.name!r} is not servable as a vLLM fp8 checkpoint: "
+                              + "; ".join(refusals[:4]) + ("; ..." if len(refusals) > 4 else ""))
+    return [k.fp8_scale for k, _ in policy.layers], [v.fp8_scale for _, v in policy.layers]
+
+
+def file_record(directory: Path) -> dict:
+    """kvcalib/checkpoint.json's content: {"files": {relative path: sha256}} for every file but the record."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix()
+                   != f"{ARTIFACT_DIR}/{RECORD_FILE}")
+    return {"format": "kvcalib-vllm-checkpoint", "files": {p.relative_to(directory).as_posix(): sha256_file(p)
+                                                          for p in files}}
+
+
+def verify_checkpoint(directory: str | Path, spec=None):
+    """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.native); every
+    file of the folder against kvcalib/checkpoint.json (none missing, none changed, none added at the top level);
+    config.json's quantization_config and architectures; the index listing every scale in the scales file; and
+    the scales themselves equal to the artifact's. Raises CheckpointError / ChecksumError naming what differs."""
+    from exporters.native import load_artifact
+
+    directory = Path(directory)
+    artifact = load_artifact(directory / ARTIFACT_DIR, spec)
+    record_path = directory / ARTIFACT_DIR / RECORD_FILE
+    if not record_path.is_file():
+        raise CheckpointError(f"no {ARTIFACT_DIR}/{RECORD_FILE} in {str(directory)!r}: not a kvcalib vLLM checkpoint")
+    record = json.loads(record_path.read_text())["files"]
+    for rel, digest in record.items():
+        path = directory / rel
+        if not path.is_file():
+            raise CheckpointError(f"{rel}: listed in {ARTIFACT_DIR}/{RECORD_FILE} but missing from {str(directory)!r}")
+        if sha256_file(path) != digest:
+            raise ChecksumError(f"{rel}: sha256 differs from {ARTIFACT_DIR}/{RECORD_FILE}")
+    added = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in record)
+    if added:
+        raise CheckpointError(f"files not in {ARTIFACT_DIR}/{RECORD_FILE}: {added} (a serving engine might load them)")
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("quantization_config") != quantization_config("tensor"):
+        raise CheckpointError(f"config.json quantization_config: expected {quantization_config('tensor')}, got "
+                              f"{config.get('quantization_config')}")
+    if not config.get("architectures"):
+        raise CheckpointError("config.json architectures: missing (vLLM cannot choose a model class)")
+    k_scales, v_scales = scales_of(artifact.policy)
+    expected = kv_scale_tensors(k_scales, v_scales)
+    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    with safe_open(str(directory / SCALES_FILE), framework="pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    for name, want in expected.items():
+        if weight_map.get(name) != SCALES_FILE:
+            raise CheckpointError(f"{INDEX_FILE} weight_map[{name!r}]: expected {SCALES_FILE!r}, got "
+                                  f"{weight_map.get(name)!r} (vLLM would keep its 1.0 default)")
+        if name not in stored or not torch.equal(stored[name], want):
+            raise CheckpointError(f"{SCALES_FILE} {name}: differs from the artifact's scale {want.tolist()}")
+    return artifact

@@ -107,19 +107,26 @@ def write_artifact(directory: str | Path, manifest: dict, tensors: dict[str, tor
         parse_artifact(raw_manifest, raw_tensors)
         write_synced(tmp / TENSOR_FILE, raw_tensors)
         write_synced(tmp / MANIFEST_FILE, raw_manifest)
-        if not final.exists():
-            os.rename(tmp, final)
-        elif _exchange(tmp, final):
-            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old artifact
-        else:
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+        install_folder(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def install_folder(tmp: Path, final: Path) -> None:
+    """Put a complete temporary sibling folder in place of `final`: renamed in when `final` is new; otherwise the
+    two swapped in one renameat2(RENAME_EXCHANGE) and the old one deleted, or (no such call) the old one renamed
+    away first. A reader finds the old or the new folder, never a mix."""
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
+    else:
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_at(dir_fd: int, name: str) -> bytes | None:
@@ -167,8 +174,12 @@ def read_manifest(directory: str | Path) -> dict:
 
 
 def load_artifact(directory: str | Path, spec=None) -> Artifact:
-    """Strict: see parse_artifact. Returns only a fully checked artifact."""
+    """Strict: see parse_artifact. Returns only a fully checked artifact. A vLLM checkpoint folder
+    (exporters/compressed_tensors.py: the artifact under kvcalib/) is checked whole by verify_checkpoint."""
     directory = Path(directory)
+    if not (directory / MANIFEST_FILE).exists() and (directory / "kvcalib" / MANIFEST_FILE).is_file():
+        from exporters.compressed_tensors import verify_checkpoint
+        return verify_checkpoint(directory, spec)
     raw_manifest, raw_tensors = read_files(directory)
     if raw_manifest is None:
         raise ManifestError(f"no {MANIFEST_FILE} in {str(directory)!r}: not an artifact folder")

@@ -101,6 +101,11 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
         ppl_vs_bits(recipes, run_dir / "frontier.png")
         lines += ["## Quality per bit (same windows, one run)", "", "![frontier](frontier.png)", "", "```",
                   evaluate.table(recipes), "```", ""]
+        from pipeline.recommend import VLLM_FORMATS, format_recommendation, recommend
+        if any(name in recipes and name != "fp16" for name in VLLM_FORMATS):
+            lines += ["## Serving through vLLM (`python -m pipeline recommend`)", ""]
+            for platform in ("cpu", "gpu"):
+                lines += ["```", format_recommendation(recommend(summary, platform)), "```", ""]
     drift_out = summary.get("drift", {})
     sens = drift_out.get("sensitivity")
     if sens:

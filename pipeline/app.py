@@ -18,9 +18,9 @@ from pipeline import analysis, faults
 from pipeline.config import QuantConfig, RunConfig, load_recipe
 from pipeline.data import build_windows
 from pipeline.errors import GateError, RuntimeCheckError, UserError
-from pipeline.export import export
+from pipeline.export import CHECKPOINT_DIR, export, servable, write_vllm_checkpoint
 from exporters.files import atomic_write_json
-from pipeline.model import LoadedModel, load_model
+from pipeline.model import LoadedModel, load_model, source_directory
 from pipeline.runner import Runner, Stage, peak_rss_mb
 from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
                     traces)
@@ -260,14 +260,20 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
             pt = results["prefix_tokens"].tensors
             prefix = {"token_ids": pt["ids"].tolist(), "k": pt["k_post"], "v": pt["v"]}
         summary.update(export(run_dir, target, lm.spec, provenance,
-                              summary.get("evaluation", {}).get("recipes", {}),
-                              lm.model.config.to_dict(), prefix=prefix, overwrite=cfg.export.overwrite))
+                              summary.get("evaluation", {}).get("recipes", {}), prefix=prefix,
+                              overwrite=cfg.export.overwrite))
         if cfg.check.enabled:  # kernel vs oracle on the exported artifact; the manifest records the outcome
             from pipeline.check import run_check
             summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
         if "gate" in summary.get("drift", {}):
             faults.point("export.before_update_manifest")
             update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
+        served_ok = (summary.get("runtime_check", {}).get("status", "passed") == "passed"
+                     and summary.get("drift", {}).get("gate", {}).get("passed", True))
+        if cfg.export.vllm and servable(target) and served_ok:  # a folder ready to serve: only what passed
+            checkpoint = write_vllm_checkpoint(run_dir / CHECKPOINT_DIR, Path(summary["artifact_dir"]), lm,
+                                               source_directory(cfg.model), overwrite=cfg.export.overwrite)
+            summary["vllm_checkpoint_dir"] = str(checkpoint.resolve())
     if "evaluate" in results:
         examples = analysis.changed_examples(lm, windows.eval[0], target)
         summary["report"] = str(analysis.write_report(run_dir, summary, target, lm.spec, examples))

@@ -106,7 +106,10 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
     _validate(contexts, batches, None)  # before a model is loaded for nothing
-    manifest = read_manifest(artifact_dir)
+    if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
+        manifest, write = read_manifest(Path(artifact_dir) / "kvcalib"), False
+    else:
+        manifest = read_manifest(artifact_dir)
     if model_bundle is None:
         from pipeline.model import load_model
         model_bundle = load_model(model_config_for(manifest))
@@ -150,6 +153,11 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     else:
         log(f"runtime check FAILED: {error or 'kernel and oracle disagree beyond the tolerance'}")
     return result
+
+
+def is_checkpoint(directory: str | Path) -> bool:
+    d = Path(directory)
+    return not (d / "manifest.json").exists() and (d / "kvcalib" / "manifest.json").is_file()
 
 
 def _validate(contexts: list[int], batches: list[int], max_context: int | None) -> None:

@@ -13,8 +13,11 @@ commands:
           quant=<recipe> data.n_samples=16 ...; `run --help` shows the full config, `run -m ...` sweeps)
   check   DIR   run the runtime equivalence check on an exported artifact
   show    DIR_OR_RUN_ID   print an artifact's or a run's summary and lineage
+  export-vllm  ARTIFACT OUT [model.path=... model.source=...] [--overwrite]
+          write a checkpoint folder vLLM serves as is (fp8 e4m3 per-tensor artifacts; docs/vllm.md)
+  recommend  RUN_DIR   the cheapest vLLM --kv-cache-dtype within the run's drift gate, with its `vllm serve` line
 """
-COMMANDS = ("run", "check", "show")
+COMMANDS = ("run", "check", "show", "export-vllm", "recommend")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
         sys.exit(EXIT_USER)
     try:
-        code = _show(rest) if command == "show" else _check(rest)
+        code = {"show": _show, "check": _check, "export-vllm": _export_vllm, "recommend": _recommend}[command](rest)
     except Exception as exc:  # noqa: BLE001 -- what no handler expected is a bug: its own code, never EXIT_USER's
         code = internal_error(exc)
     sys.exit(code)
@@ -88,6 +91,59 @@ def _check(args: list[str]) -> int:
     (pipeline/check.py)."""
     from pipeline.check import main as check_main
     return check_main(args)
+
+
+def _export_vllm(args: list[str]) -> int:
+    """`export-vllm ARTIFACT OUT [model.<field>=...] [--overwrite]`: the model the artifact names
+    (conf/model/<name>.yaml, fields overridable), checked against the artifact's model identity, then
+    pipeline.export.write_vllm_checkpoint. EXIT_USER for a refused artifact, recipe, model or argument."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from exporters.native import read_manifest
+    from pipeline.check import model_config_for
+    from pipeline.errors import UserError, user_errors
+
+    overwrite = "--overwrite" in args
+    rest = [a for a in args if a != "--overwrite"]
+    positional = [a for a in rest if "=" not in a]
+    overrides = [a.removeprefix("model.") for a in rest if "=" in a]
+    if len(positional) != 2 or any(not a.startswith("model.") for a in rest if "=" in a):
+        print("error: usage: python -m pipeline export-vllm ARTIFACT OUT [model.<field>=VALUE ...] [--overwrite]",
+              file=sys.stderr)
+        return EXIT_USER
+    artifact_dir, out = (Path(a) for a in positional)
+    try:
+        from pipeline.export import write_vllm_checkpoint
+        from pipeline.model import load_model, source_directory
+
+        manifest = read_manifest(artifact_dir)
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(model_config_for(manifest)),
+                                                  OmegaConf.from_dotlist(overrides)))
+        if cfg.name != manifest["model"]["name"]:
+            raise UserError(f"model.name: the artifact was calibrated on {manifest['model']['name']!r}, got {cfg.name!r}")
+        lm = load_model(cfg)
+        path = write_vllm_checkpoint(out, artifact_dir, lm, source_directory(cfg), overwrite=overwrite)
+    except OmegaConfBaseException as exc:
+        print(f"error: invalid model option: {exc}", file=sys.stderr)
+        return EXIT_USER
+    except user_errors() as exc:
+        print(f"error: {artifact_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USER
+    print(f"vllm checkpoint: {path.resolve()}\nserve: vllm serve {path.resolve()} --kv-cache-dtype fp8")
+    return EXIT_OK
+
+
+def _recommend(args: list[str]) -> int:
+    from pipeline.errors import user_errors
+    from pipeline.recommend import recommend_main
+
+    try:
+        print(recommend_main(args))
+    except user_errors() as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USER
+    return EXIT_OK
 
 
 def _hydra_run() -> int:

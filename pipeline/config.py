@@ -82,6 +82,7 @@ class DataConfig:
 class ExportConfig:
     enabled: bool = True
     overwrite: bool = False     # an existing artifact folder is never replaced unless asked
+    vllm: bool = True           # fp8 e4m3 per-tensor recipes: also a vLLM checkpoint folder (weights included)
 
 
 @dataclass

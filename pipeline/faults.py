@@ -18,6 +18,7 @@ dictionary lookup per point. The points, by where they are:
     cache.<stage>.stored         the entry is in place, its lock not yet released
     export.before_write          before the artifact folder is written (pipeline/export.py)
     export.after_write           the artifact folder is in place, nothing else exported yet
+    export.vllm_weights_written  the vLLM checkpoint's weights are in its temporary folder, nothing else yet
     export.before_update_manifest  before the gate verdict is written into the manifest (pipeline/app.py)
     report.before_write          plots written, report.md not yet (pipeline/analysis.py)
     summary.before_write         before summary.json is written (pipeline/app.py)

@@ -118,6 +118,16 @@ def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
     return _load_pretrained(local, dtype)
 
 
+def source_directory(cfg: ModelConfig) -> Path | None:
+    """The Hugging Face folder a local or hub model was loaded from (config.json + weight files), or None for a
+    model built in memory (embedded / gguf: dequantized GGUF; tiny: random)."""
+    if cfg.source == "local" or (cfg.source == "hub" and cfg.path and Path(cfg.path).expanduser().is_dir()):
+        return Path(cfg.path).expanduser()
+    if cfg.source == "hub" and cfg.path:
+        return _hub_snapshot(cfg.path, local_only=True)
+    return None
+
+
 def _hub_snapshot(repo_id: str, local_only: bool) -> Path | None:
     try:
         from huggingface_hub import snapshot_download

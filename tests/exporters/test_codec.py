@@ -113,6 +113,32 @@ def test_fp8_per_tensor_and_per_head():
     assert rel(yh) < 2 ** -4 < rel(y)  # the small head gets its own scale
 
 
+def test_fp8_toward_zero_is_vllm_cpus_cast_by_hand():
+    # e4m3 near 1: 1, 1.125, 1.25; near 3.5: 3.5, 3.75; smallest subnormal 2^-9, next 2^-8
+    y = t4([[1.06, 1.124, 1.126, -1.06, 3.5, 448.0, 0.0039, 0.0019, -0.0039]])
+    one = torch.tensor(1.0)
+    nearest = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=one)
+    toward = dataclasses.replace(nearest, fp8_rounding="toward_zero")
+    assert fake_quant(y, toward)[0].flatten().tolist() == [1.0, 1.0, 1.125, -1.0, 3.5, 448.0, 2 ** -9, 0.0, -2 ** -9]
+    assert fake_quant(y, nearest)[0].flatten().tolist() == [1.0, 1.125, 1.125, -1.0, 3.5, 448.0, 2 ** -8, 2 ** -9,
+                                                           -2 ** -8]
+    # never away from zero, never more than one code from the nearest
+    x = torch.randn(1, 2, 64, 32, generator=torch.Generator().manual_seed(3)) * 5
+    yt, yn = fake_quant(x, toward)[0], fake_quant(x, nearest)[0]
+    assert (yt.abs() <= x.abs()).all() and (yt.abs() <= yn.abs()).all() and (yt * x >= 0).all()
+
+
+def test_fp8_toward_zero_is_evaluation_only():
+    p = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_rounding="toward_zero", fp8_scale=torch.tensor(1.0))
+    assert not p.is_exportable
+    with pytest.raises(CodecError, match="fp8_rounding: rounding toward_zero is evaluation-only"):
+        check_exportable(p, "layers[0].key")
+    with pytest.raises(CodecError, match=r"fp8_rounding must be one of \('nearest', 'toward_zero'\), got 'up'"):
+        TensorPolicy(format="fp8", bits=8, fp8_rounding="up").validate_config()
+    with pytest.raises(CodecError, match="fp8_rounding applies to format fp8 only"):
+        TensorPolicy(format="uniform", bits=4, axis="token", fp8_rounding="toward_zero").validate_config()
+
+
 def test_fp8_scale_never_zero():
     assert fp8_scale_from_amax(torch.zeros(3)).tolist() == [1.0, 1.0, 1.0]
     assert fp8_scale_from_amax(torch.tensor(448.0)).item() == 1.0

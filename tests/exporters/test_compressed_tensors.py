@@ -1,39 +1,53 @@
-import json
-
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy, QuantizationType
-from safetensors.torch import load_file
 
 from exporters import compressed_tensors as ct
 
 
-@pytest.mark.parametrize("axis,shape,strategy", [("tensor", (), QuantizationStrategy.TENSOR),
-                                                 ("head", (3,), QuantizationStrategy.ATTN_HEAD)])
-def test_layout_vllm_loads(tmp_path, axis, shape, strategy):
-    n_layers = 4
-    k = [torch.rand(shape) + 0.1 for _ in range(n_layers)]
-    v = [torch.rand(shape) + 0.1 for _ in range(n_layers)]
-    out = ct.write(tmp_path / "ct", {"model_type": "llama", "num_hidden_layers": n_layers}, k, v, axis)
-    config = json.loads((out / "config.json").read_text())
-    # parsed by the compressed-tensors package's own classes, as vLLM does
-    qc = QuantizationConfig.model_validate(config["quantization_config"])
+@pytest.mark.parametrize("axis,strategy", [("tensor", QuantizationStrategy.TENSOR),
+                                           ("head", QuantizationStrategy.ATTN_HEAD)])
+def test_the_kv_scheme_parses_as_compressed_tensors_does(axis, strategy):
+    qc = QuantizationConfig.model_validate(ct.quantization_config(axis))  # the package's own classes, as vLLM uses
     scheme = qc.kv_cache_scheme
     assert scheme.num_bits == 8 and scheme.type == QuantizationType.FLOAT and scheme.strategy == strategy
-    assert scheme.symmetric and not scheme.dynamic
-    assert config["model_type"] == "llama"
-    tensors = load_file(str(out / ct.SCALES_FILE))
-    assert sorted(tensors) == sorted(f"model.layers.{i}.self_attn.{n}" for i in range(n_layers) for n in ("k_scale", "v_scale"))
-    for i in range(n_layers):
-        t = tensors[f"model.layers.{i}.self_attn.k_scale"]
-        assert t.dtype == torch.float32 and tuple(t.shape) == shape and torch.equal(t, k[i].float())
+    assert scheme.symmetric and not scheme.dynamic and qc.quant_method == "compressed-tensors"
 
 
-def test_uncalibrated_or_bad_scales_are_refused(tmp_path):
+def test_scale_tensors_are_named_as_vllm_maps_them():
+    k = [torch.tensor(0.5), torch.tensor(0.25)]
+    v = [torch.tensor(0.125), torch.tensor(2.0)]
+    out = ct.kv_scale_tensors(k, v)
+    assert list(out) == ["model.layers.0.self_attn.k_scale", "model.layers.0.self_attn.v_scale",
+                         "model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_scale"]
+    assert all(t.dtype == torch.float32 and t.shape == () for t in out.values())
+    assert out["model.layers.1.self_attn.v_scale"].item() == 2.0
+
+
+def test_uncalibrated_or_bad_scales_are_refused():
     with pytest.raises(ValueError, match="every k_scale / v_scale is 1.0"):
-        ct.write(tmp_path / "a", {}, [torch.tensor(1.0)], [torch.tensor(1.0)], "tensor")
+        ct.kv_scale_tensors([torch.tensor(1.0)], [torch.tensor(1.0)])
     with pytest.raises(ValueError, match="layer 0 v_scale: scales must be finite and positive"):
-        ct.write(tmp_path / "b", {}, [torch.tensor(0.5)], [torch.tensor(0.0)], "tensor")
+        ct.kv_scale_tensors([torch.tensor(0.5)], [torch.tensor(0.0)])
     with pytest.raises(ValueError, match="fp8 scale axis must be one of"):
-        ct.write(tmp_path / "c", {}, [torch.tensor(0.5)], [torch.tensor(0.5)], "channel")
-    assert not any(tmp_path.iterdir())
+        ct.quantization_config("channel")
+
+
+def test_the_index_lists_the_scales_and_refuses_a_clash():
+    scales = ct.kv_scale_tensors([torch.tensor(0.5)], [torch.tensor(0.25)])
+    index = ct.merged_index({"model.embed_tokens.weight": "model.safetensors"}, 1000, scales)
+    assert index["weight_map"] == {"model.embed_tokens.weight": "model.safetensors",
+                                   "model.layers.0.self_attn.k_scale": ct.SCALES_FILE,
+                                   "model.layers.0.self_attn.v_scale": ct.SCALES_FILE}
+    assert index["metadata"]["total_size"] == 1008
+    with pytest.raises(ct.CheckpointError, match="already hold KV-cache scales"):
+        ct.merged_index({"model.layers.0.self_attn.k_scale": "model.safetensors"}, 4, scales)
+
+
+def test_the_config_gets_the_scheme_and_architectures_and_refuses_a_quantized_source():
+    out = ct.checkpoint_config({"model_type": "llama", "_name_or_path": "/x"}, "LlamaForCausalLM")
+    assert out["architectures"] == ["LlamaForCausalLM"] and "_name_or_path" not in out
+    assert out["quantization_config"] == ct.quantization_config("tensor")
+    with pytest.raises(ct.CheckpointError, match="config.json quantization_config: the source model is already "
+                                                  "quantized \\(quant_method 'gptq'\\)"):
+        ct.checkpoint_config({"quantization_config": {"quant_method": "gptq"}}, "LlamaForCausalLM")

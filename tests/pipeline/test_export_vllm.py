@@ -1,0 +1,166 @@
+"""The vLLM checkpoint folder (pipeline/export.py write_vllm_checkpoint, exporters/compressed_tensors.py): complete,
+loadable by transformers, verified whole, refused with nothing written, and its weights linked from a source."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from compressed_tensors.quantization import QuantizationConfig, QuantizationStrategy, QuantizationType
+from safetensors.torch import load_file
+
+from exporters import compressed_tensors as ct
+from exporters.checksums import sha256_file
+from exporters.manifest import ChecksumError
+from exporters.native import load_artifact
+from pipeline.errors import EXIT_USER
+from pipeline.export import write_vllm_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def resign(folder):
+    """Rewrite kvcalib/checkpoint.json for the folder as it now is: a forger keeping the record valid, so the
+    check under test is the one left to refuse the edit."""
+    (folder / ct.ARTIFACT_DIR / ct.RECORD_FILE).write_text(json.dumps(ct.file_record(folder)))
+
+
+@pytest.fixture
+def checkpoint(tmp_path, make_artifact, tiny):
+    art = make_artifact("fp8-e4m3")
+    return write_vllm_checkpoint(tmp_path / "ckpt", art, tiny), art
+
+
+def test_the_checkpoint_is_complete_and_verifies(checkpoint, tiny):
+    ckpt, art = checkpoint
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", ct.INDEX_FILE, ct.SCALES_FILE, "tokenizer.json",
+            "tokenizer_config.json", ct.ARTIFACT_DIR} <= names
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    scheme = QuantizationConfig.model_validate(config["quantization_config"]).kv_cache_scheme  # as vLLM parses it
+    assert scheme.num_bits == 8 and scheme.type == QuantizationType.FLOAT
+    assert scheme.strategy == QuantizationStrategy.TENSOR and scheme.symmetric and not scheme.dynamic
+    index = json.loads((ckpt / ct.INDEX_FILE).read_text())["weight_map"]
+    scales = load_file(str(ckpt / ct.SCALES_FILE))
+    policy = load_artifact(art).policy
+    for i, (k, v) in enumerate(policy.layers):
+        for which, p in (("k_scale", k), ("v_scale", v)):
+            name = f"model.layers.{i}.self_attn.{which}"
+            assert index[name] == ct.SCALES_FILE
+            assert scales[name].dtype == torch.float32 and scales[name].shape == () and torch.equal(scales[name], p.fp8_scale.float())
+    weights = load_file(str(ckpt / "model.safetensors"))
+    state = tiny.model.state_dict()
+    assert set(weights) == set(state) - {"lm_head.weight"}  # tied: config.json says tie_word_embeddings
+    assert all(torch.equal(weights[n], state[n]) for n in weights)
+    assert {n for n, f in index.items() if f == "model.safetensors"} == set(weights)
+    # the strict loader takes the folder as it takes an artifact
+    loaded = load_artifact(ckpt, tiny.spec)
+    assert loaded.manifest["recipe"] == "fp8-e4m3"
+
+
+def test_transformers_loads_the_weights_back(checkpoint, tiny):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt, _ = checkpoint
+    config = AutoConfig.from_pretrained(str(ckpt))
+    delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), config=config, dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 50, 700, 3000, 12]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny.model(ids).logits)
+    # as is, the compressed-tensors scheme in config.json: transformers loads it and leaves the cache unquantized
+    as_is = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(as_is(ids).logits, tiny.model(ids).logits)
+
+
+def test_a_scale_left_out_of_the_index_is_refused(checkpoint):
+    ckpt, _ = checkpoint
+    path = ckpt / ct.INDEX_FILE
+    index = json.loads(path.read_text())
+    del index["weight_map"]["model.layers.1.self_attn.v_scale"]
+    path.write_text(json.dumps(index))
+    with pytest.raises(ChecksumError, match="model.safetensors.index.json: sha256 differs"):
+        ct.verify_checkpoint(ckpt)
+    resign(ckpt)
+    with pytest.raises(ct.CheckpointError, match=r"weight_map\['model.layers.1.self_attn.v_scale'\].*1.0 default"):
+        ct.verify_checkpoint(ckpt)
+
+
+def test_a_changed_scale_or_an_added_file_is_refused(checkpoint):
+    from safetensors.torch import save_file
+
+    ckpt, _ = checkpoint
+    scales = load_file(str(ckpt / ct.SCALES_FILE))
+    scales["model.layers.0.self_attn.k_scale"] = scales["model.layers.0.self_attn.k_scale"] * 2
+    save_file(scales, str(ckpt / ct.SCALES_FILE))
+    resign(ckpt)
+    with pytest.raises(ct.CheckpointError, match="model.layers.0.self_attn.k_scale: differs from the artifact"):
+        ct.verify_checkpoint(ckpt)
+    ckpt2 = checkpoint[0]
+    (ckpt2 / "extra.safetensors").write_bytes(b"x")
+    with pytest.raises(ct.CheckpointError, match=r"files not in kvcalib/checkpoint.json: \['extra.safetensors'\]"):
+        ct.verify_checkpoint(ckpt2)
+
+
+@pytest.mark.parametrize("recipe,message", [
+    ("kivi-2", r"layers/0/key/format: vLLM's scaled cache is fp8; allowed 'fp8', got 'uniform'"),
+    ("kvquant-3b-1pct", r"cache/key_rope: vLLM's cache allows 'post', got 'pre'"),
+])
+def test_a_recipe_vllm_cannot_serve_is_refused_and_nothing_is_written(tmp_path, make_artifact, tiny, recipe, message):
+    art = make_artifact(recipe)
+    before = set(tmp_path.iterdir())
+    with pytest.raises(ct.CheckpointError, match=message):
+        write_vllm_checkpoint(tmp_path / "ckpt", art, tiny)
+    assert set(tmp_path.iterdir()) == before
+
+
+def test_scales_of_refuses_per_head_scales(calib, tiny):
+    from exporters.codec import CachePolicy, TensorPolicy
+
+    p = TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((2,), 0.1))
+    with pytest.raises(ct.CheckpointError, match=r"layers/0/key/axis: allowed 'tensor'.*got 'head'"):
+        ct.scales_of(CachePolicy("fp8-head", [(p, p)] * 2))
+
+
+def test_an_existing_folder_is_kept_unless_overwrite(checkpoint, tiny):
+    ckpt, art = checkpoint
+    with pytest.raises(ct.CheckpointError, match="already exists; pass overwrite=True"):
+        write_vllm_checkpoint(ckpt, art, tiny)
+    again = write_vllm_checkpoint(ckpt, art, tiny, overwrite=True)
+    ct.verify_checkpoint(again)
+    assert not [p for p in ckpt.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_a_hugging_face_source_is_linked_and_its_index_merged(tmp_path, make_artifact, tiny):
+    source = tmp_path / "hf"
+    tiny.model.save_pretrained(str(source), max_shard_size="2MB")  # several shards and an index
+    tiny.tokenizer.save_pretrained(str(source))
+    src_index = json.loads((source / ct.INDEX_FILE).read_text())["weight_map"]
+    assert len(set(src_index.values())) > 1
+    ckpt = write_vllm_checkpoint(tmp_path / "ckpt", make_artifact("fp8-e4m3"), tiny, source_dir=source)
+    for shard in set(src_index.values()):
+        assert os.stat(ckpt / shard).st_ino == os.stat(source / shard).st_ino  # a hard link, not a copy
+        assert sha256_file(ckpt / shard) == sha256_file(source / shard)
+    index = json.loads((ckpt / ct.INDEX_FILE).read_text())["weight_map"]
+    assert {k: v for k, v in index.items() if v != ct.SCALES_FILE} == src_index
+    assert sum(v == ct.SCALES_FILE for v in index.values()) == 2 * tiny.spec.n_layers
+    ct.verify_checkpoint(ckpt, tiny.spec)
+
+
+def test_export_vllm_command(tmp_path, make_artifact):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    good = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("fp8-e4m3")),
+                           str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert "vllm serve" in good.stdout and "--kv-cache-dtype fp8" in good.stdout
+    ct.verify_checkpoint(tmp_path / "out")
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("kivi-2")),
+                          str(tmp_path / "out2")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert bad.returncode == EXIT_USER and "CheckpointError" in bad.stderr and "layers/0/key/format" in bad.stderr
+    assert not (tmp_path / "out2").exists()
+    usage = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(tmp_path / "out")],
+                           capture_output=True, text=True, env=env, cwd=ROOT)
+    assert usage.returncode == EXIT_USER and "usage: python -m pipeline export-vllm" in usage.stderr

