@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from exporters.checksums import sha256_file
 from exporters.manifest import ChecksumError, ManifestError
+from exporters.native import MANIFEST_FILE, load_artifact
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,6 +40,12 @@ SCALE_NAMES = ("k_scale", "v_scale")
 
 class CheckpointError(ManifestError):
     """A checkpoint folder that is incomplete, inconsistent with its artifact, or not servable as claimed."""
+
+
+def is_checkpoint(directory: str | Path) -> bool:
+    """A vLLM checkpoint folder: no manifest at its top, the artifact under kvcalib/."""
+    d = Path(directory)
+    return not (d / MANIFEST_FILE).exists() and (d / ARTIFACT_DIR / MANIFEST_FILE).is_file()
 
 
 def scale_name(layer: int, which: str) -> str:
@@ -138,13 +145,13 @@ def file_record(directory: Path) -> dict:
                                                           for p in files}}
 
 
-def verify_checkpoint(directory: str | Path, spec=None):
+def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True):
     """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.native); every
     file of the folder against kvcalib/checkpoint.json (none missing, none changed, none added at the top level);
     config.json's quantization_config and architectures; the index listing every scale in the scales file; and
-    the scales themselves equal to the artifact's. Raises CheckpointError / ChecksumError naming what differs."""
-    from exporters.native import load_artifact
-
+    the scales themselves equal to the artifact's. Raises CheckpointError / ChecksumError naming what differs.
+    hash_files=False: the files are checked present but not re-hashed (the writer, whose record was just hashed
+    from those very files)."""
     directory = Path(directory)
     artifact = load_artifact(directory / ARTIFACT_DIR, spec)
     record_path = directory / ARTIFACT_DIR / RECORD_FILE
@@ -155,7 +162,7 @@ def verify_checkpoint(directory: str | Path, spec=None):
         path = directory / rel
         if not path.is_file():
             raise CheckpointError(f"{rel}: listed in {ARTIFACT_DIR}/{RECORD_FILE} but missing from {str(directory)!r}")
-        if sha256_file(path) != digest:
+        if hash_files and sha256_file(path) != digest:
             raise ChecksumError(f"{rel}: sha256 differs from {ARTIFACT_DIR}/{RECORD_FILE}")
     added = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in record)
     if added:

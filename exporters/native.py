@@ -177,8 +177,8 @@ def load_artifact(directory: str | Path, spec=None) -> Artifact:
     """Strict: see parse_artifact. Returns only a fully checked artifact. A vLLM checkpoint folder
     (exporters/compressed_tensors.py: the artifact under kvcalib/) is checked whole by verify_checkpoint."""
     directory = Path(directory)
-    if not (directory / MANIFEST_FILE).exists() and (directory / "kvcalib" / MANIFEST_FILE).is_file():
-        from exporters.compressed_tensors import verify_checkpoint
+    from exporters.compressed_tensors import is_checkpoint, verify_checkpoint  # it builds on this module
+    if is_checkpoint(directory):
         return verify_checkpoint(directory, spec)
     raw_manifest, raw_tensors = read_files(directory)
     if raw_manifest is None:

@@ -92,6 +92,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     import torch
     import triton
 
+    from exporters.compressed_tensors import ARTIFACT_DIR, is_checkpoint
     from exporters.native import load_artifact, read_manifest, update_manifest
     from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
@@ -107,7 +108,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     batches = list(cfg.batches)
     _validate(contexts, batches, None)  # before a model is loaded for nothing
     if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
-        manifest, write = read_manifest(Path(artifact_dir) / "kvcalib"), False
+        manifest, write = read_manifest(Path(artifact_dir) / ARTIFACT_DIR), False
     else:
         manifest = read_manifest(artifact_dir)
     if model_bundle is None:
@@ -153,11 +154,6 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     else:
         log(f"runtime check FAILED: {error or 'kernel and oracle disagree beyond the tolerance'}")
     return result
-
-
-def is_checkpoint(directory: str | Path) -> bool:
-    d = Path(directory)
-    return not (d / "manifest.json").exists() and (d / "kvcalib" / "manifest.json").is_file()
 
 
 def _validate(contexts: list[int], batches: list[int], max_context: int | None) -> None:

@@ -16,13 +16,12 @@ from pipeline import faults
 from exporters import compressed_tensors as ct
 from exporters.codec import CachePolicy
 from exporters.files import write_synced
-from exporters.manifest import build_manifest
+from exporters.manifest import TENSOR_FILE, build_manifest
 from exporters.native import MANIFEST_FILE, install_folder, load_artifact, write_artifact
-from exporters.manifest import TENSOR_FILE
 from exporters.checksums import sha256_file
+from pipeline.model import WEIGHT_SUFFIXES
 
 CHECKPOINT_DIR = "vllm-checkpoint"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def git_sha() -> str:
@@ -128,12 +127,12 @@ def _saved_weights(lm, tmp: Path, shard_bytes: int = 4 << 30) -> tuple[dict[str,
             size = 0
         groups[-1][name] = t.detach().contiguous()
         size += n
-    weight_map, total = {}, 0
+    weight_map = {}
     for i, group in enumerate(groups):
         name = "model.safetensors" if len(groups) == 1 else f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         write_synced(tmp / name, save(group, metadata={"format": "pt"}))
         weight_map |= {k: name for k in group}
-        total += sum(t.numel() * t.element_size() for t in group.values())
+    total = sum(t.numel() * t.element_size() for t in state.values())
     config = model.config.to_diff_dict()  # what differs from the class defaults, as save_pretrained writes it
     config.pop("quantization_config", None)  # the GGUF loader's own marker; the weights are saved dequantized
     config["architectures"] = [type(model).__name__]
@@ -182,7 +181,7 @@ def write_vllm_checkpoint(directory: Path, artifact_dir: Path, lm, source_dir: P
             shutil.copyfile(Path(artifact_dir) / name, tmp / ct.ARTIFACT_DIR / name)
         record = ct.file_record(tmp)
         write_synced(tmp / ct.ARTIFACT_DIR / ct.RECORD_FILE, json.dumps(record, indent=1).encode())
-        ct.verify_checkpoint(tmp, lm.spec)
+        ct.verify_checkpoint(tmp, lm.spec, hash_files=False)  # the record was just hashed from these files
         install_folder(tmp, final)
     finally:
         if tmp.exists():
