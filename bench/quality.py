@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.common import wikitext_dir, write_json
 from pipeline.app import run_pipeline
-from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, load_recipe, recipe_names
+from pipeline.config import DataConfig, EvalConfig, RunConfig, load_model_config, load_recipe, recipe_names
 from stages.evaluate import table
 from stages.recipe import is_exportable_recipe
 
@@ -117,6 +117,7 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
                     help="evaluate each quantized recipe under seeds 1..N of the cache-input perturbation (0: once, "
                          "unperturbed; the interval then covers the windows only)")
     ap.add_argument("--perturb-scale", type=float, default=1e-5)
+    ap.add_argument("--model", default="smollm2", help="conf/model/NAME.yaml (smollm2, gemma3, ...)")
 
 
 def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
@@ -127,7 +128,7 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
         raise SystemExit(f"--recipes: unknown {unknown}; allowed: {recipe_names()}")
     path = wikitext_dir() / "valid.txt" if args.dev else wikitext_dir()  # a file is split in two halves
     cfg = RunConfig(
-        model=ModelConfig(),
+        model=load_model_config(getattr(args, "model", "smollm2")),
         data=DataConfig(name="wikitext-2-dev" if args.dev else "wikitext-2", source="local", path=str(path),
                         n_samples=args.n_samples, seq_len=args.seq_len, seed=0, eval_n_samples=args.eval_n_samples,
                         eval_seq_len=args.seq_len),

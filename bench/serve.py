@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.common import wikitext_dir, write_json
-from exporters.ledger import expected_outliers, predict_bytes
+from exporters.ledger import expected_outliers, layer_windows, predict_bytes
 from exporters.native import load_artifact
 from pipeline.config import ModelConfig
 from pipeline.data import read_text, tokenize
@@ -135,7 +135,8 @@ def main() -> None:
         cache = ArtifactCache(policy, model, attention=args.attention)
         fill(model, cache, ids[None, :t])
         measured = cache.nbytes()
-        predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=expected)
+        predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=expected,
+                                  windows=layer_windows(art.manifest))
         dyn = DynamicCache(config=model.config)
         fill(model, dyn, ids[None, :t])
         fp16 = sum(layer.keys.numel() * 2 + layer.values.numel() * 2 for layer in dyn.layers)

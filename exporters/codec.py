@@ -43,6 +43,8 @@ take them (EXPORT_AXES), and a run refuses them as its own recipe. All per (toke
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +148,11 @@ class TensorPolicy:
         """The calibrated tensors this policy holds, by field name, in CALIBRATED_FIELDS order."""
         return {name: t for name in CALIBRATED_FIELDS if (t := getattr(self, name)) is not None}
 
+    def to(self, device: torch.device | str) -> "TensorPolicy":
+        """The same policy with its calibrated tensors on `device` (the activations' device; stored on CPU)."""
+        moved = {name: t.to(device) for name, t in self.calibrated().items()}
+        return dataclasses.replace(self, **moved) if moved else self
+
     @property
     def is_full_precision(self) -> bool:
         return self.format == "fp16"
@@ -191,6 +198,12 @@ class CachePolicy:
     def is_full_precision(self) -> bool:
         return (all(k.is_full_precision and v.is_full_precision for k, v in self.layers) and self.smooth is None
                 and self.engine is None)
+
+    def to(self, device: torch.device | str) -> "CachePolicy":
+        """The same policy with every calibrated tensor on `device`; prefix ids stay where they are (ids follow
+        the window they are prepended to)."""
+        return dataclasses.replace(self, layers=[(k.to(device), v.to(device)) for k, v in self.layers],
+                                   smooth=None if self.smooth is None else self.smooth.to(device))
 
 
 @dataclass

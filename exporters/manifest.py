@@ -263,12 +263,30 @@ def _check_records(manifest: dict) -> None:
                           f"got {gate['passed']}")
 
 
+def _check_attention(model: dict) -> None:
+    """model.attention and model.rope.local come together (a model with sliding-window layers), with one layer
+    type per layer and at least one sliding layer."""
+    attention, local = model.get("attention"), model["rope"].get("local")
+    if (attention is None) != (local is None):
+        raise ConsistencyError(f"model/attention and model/rope/local must both be present (sliding-window layers) "
+                               f"or both absent (every layer global); got attention "
+                               f"{'present' if attention is not None else 'absent'}, rope/local "
+                               f"{'present' if local is not None else 'absent'}")
+    if attention is None:
+        return
+    types = attention["layer_types"]
+    if len(types) != model["n_layers"] or "sliding" not in types:
+        raise ConsistencyError(f"model/attention/layer_types: allowed one of 'full' / 'sliding' per layer "
+                               f"({model['n_layers']}), at least one 'sliding'; got {types}")
+
+
 def check_fields(manifest: dict) -> None:
     """The cross-checks a schema cannot state (docs/manifest.md, "a consumer must refuse when"), on a
     schema-valid manifest."""
     n_layers = manifest["model"]["n_layers"]
     if [layer["index"] for layer in manifest["layers"]] != list(range(n_layers)):
         raise SchemaError(f"layers must list indices 0..{n_layers - 1} in order")
+    _check_attention(manifest["model"])
     for i, layer in enumerate(manifest["layers"]):
         for kind in ("key", "value"):
             _check_policy_fields(layer[kind], f"layers/{i}/{kind}")
@@ -369,11 +387,18 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def model_json(spec) -> dict:
-    """The manifest's `model` field for a pipeline.model.ModelSpec (written at export, compared at load)."""
-    return {"name": spec.name, "architecture": spec.architecture, "n_layers": spec.n_layers,
-            "n_q_heads": spec.n_q_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-            "rope": {"theta": spec.rope_theta, "scaling": json.loads(spec.rope_scaling), "pairing": spec.rope_pairing},
-            "max_positions": spec.max_positions, "sha256": spec.model_sha256}
+    """The manifest's `model` field for a pipeline.model.ModelSpec (written at export, compared at load). A model
+    with sliding-window (local) layers also has `attention` {layer_types, sliding_window} and `rope.local` {theta,
+    scaling}, the RoPE of its local layers; one without has neither (every layer global, one RoPE)."""
+    out = {"name": spec.name, "architecture": spec.architecture, "n_layers": spec.n_layers,
+           "n_q_heads": spec.n_q_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+           "rope": {"theta": spec.rope_theta, "scaling": json.loads(spec.rope_scaling), "pairing": spec.rope_pairing},
+           "max_positions": spec.max_positions, "sha256": spec.model_sha256}
+    layer_types = list(getattr(spec, "layer_types", ()) or ())
+    if layer_types:
+        out["attention"] = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
+        out["rope"]["local"] = {"theta": spec.rope_local_theta, "scaling": json.loads(spec.rope_local_scaling)}
+    return out
 
 
 def tokenizer_json(spec) -> dict:

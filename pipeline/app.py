@@ -26,6 +26,7 @@ from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_to
                     traces)
 from stages.base import StageResult
 from stages.calibration_rows import block_mean, rows_for
+from stages.hooks import model_rotaries
 
 CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales", "outliers", "codebooks")
 
@@ -96,7 +97,7 @@ def build_stages(cfg: RunConfig, lm: LoadedModel, windows, recipes: list[QuantCo
             n_sink = g.n_sink
             if g.prefix:  # the whole prefix is kept in full precision, like sink rows
                 n_sink = max(n_sink, int(inp["prefix_tokens"].tensors["ids"].numel()))
-            return rows_for(inp[g.traces].tensors, g.key_rope, model.model.rotary_emb, dtype, n_sink,
+            return rows_for(inp[g.traces].tensors, g.key_rope, model_rotaries(model), dtype, n_sink,
                             smooth=inp["smooth"].tensors["smooth"] if g.smooth else None,
                             fisher=inp[g.fisher].tensors if with_fisher else None,
                             rotate_k=g.rotate_k, rotate_v=g.rotate_v)

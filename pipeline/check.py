@@ -55,18 +55,12 @@ def device_name() -> str:
 
 def model_config_for(manifest: dict):
     """The model the artifact names: conf/model/<name>.yaml (tiny, smollm2, llama3, ...)."""
-    from omegaconf import OmegaConf
-
-    from pipeline.config import CONF_DIR, ModelConfig
+    from pipeline.config import load_model_config, model_names
 
     name = manifest["model"]["name"]
-    path = CONF_DIR / "model" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-        raise UserError(f"artifact model.name={name!r} has no conf/model/{name}.yaml; known models: {known}")
-    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), OmegaConf.load(path)))
-    assert isinstance(obj, ModelConfig)
-    return obj
+    if name not in model_names():
+        raise UserError(f"artifact model.name={name!r} has no conf/model/{name}.yaml; known models: {model_names()}")
+    return load_model_config(name)
 
 
 def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:

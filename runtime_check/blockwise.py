@@ -44,7 +44,7 @@ from exporters.ledger import key_group
 from exporters.rope import apply_rope, rotary_tables
 from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers,
                                  outlier_coordinates, pages_of, slice_rows)
-from runtime_check.inputs import DecodeInputs, from_layer, policy_to
+from runtime_check.inputs import DecodeInputs, from_layer
 from stages.base import InputError
 
 __all__ = ["BLOCK", "attend", "decode_attention", "layer_attention", "serving", "stored_blocks"]
@@ -196,14 +196,14 @@ def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
     (keys, values [B, H_kv, n, D] float32 post-RoPE, position of the first row). Positions: sink rows 0..S-1, the
     encoded rows from their `start` -- page by page (runtime_check.cache.PagedBlock; a plain StoredBlock is one
     page), a block never crossing a page, a page no longer than the block read as it is -- residual rows after."""
-    pos = 0
+    pos = inp.start  # 0, or where a sliding layer's rows begin once its oldest left the window
     if inp.sink is not None:
         sk, sv = inp.sink
-        n = min(sk.shape[2], limit)
+        n = min(sk.shape[2], max(0, limit - pos))
         for a in range(0, n, block):
             b = min(a + block, n)
-            yield sk[:, :, a:b].float(), sv[:, :, a:b].float(), a
-        pos = sk.shape[2]
+            yield sk[:, :, a:b].float(), sv[:, :, a:b].float(), pos + a
+        pos += sk.shape[2]
     k_pages, v_pages = pages_of(inp.k_block), pages_of(inp.v_block)
     if len(k_pages) != len(v_pages):
         raise ValueError(f"keys are stored in {len(k_pages)} pages, values in {len(v_pages)}: K and V pages must "
@@ -248,7 +248,7 @@ def _on_device(inp: DecodeInputs, device: torch.device) -> DecodeInputs:
         tensors.append(inp.smooth)
     if all(t.device == device for t in tensors):
         return inp
-    return replace(inp, key_policy=policy_to(inp.key_policy, device), value_policy=policy_to(inp.value_policy, device),
+    return replace(inp, key_policy=inp.key_policy.to(device), value_policy=inp.value_policy.to(device),
                    smooth=None if inp.smooth is None else inp.smooth.to(device))
 
 
@@ -272,11 +272,12 @@ def _merge(state, o: torch.Tensor, lse: torch.Tensor):
 
 def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q_start: int,
            own: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
-           block: int = BLOCK, stats: dict | None = None) -> torch.Tensor:
+           block: int = BLOCK, stats: dict | None = None, mask_offset: int = 0) -> torch.Tensor:
     """Attention of query [B, H_q, T_q, D] (post-RoPE; query i at position q_start + i) over the stored rows at
     positions < limit and then `own` rows (K, V [B, H_kv, n, D] at positions limit..limit+n-1, read as given).
-    mask: None (causal by position) or transformers' [B | 1, 1, T_q, >= limit + n] additive float or boolean
-    mask, its columns indexed by position. stats: {"largest_decode_temporary_bytes" (T_q == 1),
+    mask: None (causal by position) or transformers' [B | 1, 1, T_q, >= limit + n - mask_offset] additive float or
+    boolean mask, column j for position mask_offset + j (a sliding layer's mask starts at its window; rows held
+    before mask_offset -- the rest of a per-channel group -- are never attended). stats: {"largest_decode_temporary_bytes" (T_q == 1),
     "largest_prefill_temporary_bytes"}, raised to this call's largest working set (decoded K and V of a block,
     its scores and probabilities, the query, running max / sum and accumulator; the codec's transient tensors
     while decoding a block come on top). -> [B, H_q, T_q, D] float32.
@@ -296,8 +297,9 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     if h_q % h_kv:
         raise ValueError(f"n_q_heads={h_q} must be a multiple of n_kv_heads={h_kv}")
     n_own = 0 if own is None else own[0].shape[2]
-    if mask is not None and mask.shape[-1] < limit + n_own:
-        raise ValueError(f"the mask covers {mask.shape[-1]} key positions, the attention reads {limit + n_own}")
+    if mask is not None and mask.shape[-1] < limit + n_own - mask_offset:
+        raise ValueError(f"the mask covers {mask.shape[-1]} key positions from {mask_offset}, the attention reads "
+                         f"up to {limit + n_own}")
     g = h_q // h_kv
     op = _fused_op(device) if t_q > 1 and mask is None else None
     q = query.float().reshape(b, h_kv, g, t_q, d).contiguous()
@@ -320,7 +322,7 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
             continue
         s = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling                     # [B, H_kv, G, T_q, n]
         if mask is not None:
-            cols = mask[..., p0:p0 + n][:, :, None].to(device)                        # [B, 1, 1, T_q, n]
+            cols = _mask_columns(mask, p0 - mask_offset, n)[:, :, None].to(device)   # [B, 1, 1, T_q, n]
             s = s.masked_fill(~cols, float("-inf")) if cols.dtype == torch.bool else s + cols.float()
         elif p0 + n - 1 > q_start:  # some rows of the block lie after the first query
             later = torch.arange(p0, p0 + n, device=device)[None, :] > q_pos[:, None]  # [T_q, n]
@@ -345,6 +347,17 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     return (acc / l[..., None]).reshape(b, h_q, t_q, d)
 
 
+def _mask_columns(mask: torch.Tensor, lo: int, n: int) -> torch.Tensor:
+    """The mask's columns lo..lo+n-1; a column before the first (lo < 0: a row held before the mask's window)
+    masks its row out."""
+    if lo >= 0:
+        return mask[..., lo:lo + n]
+    pad = min(-lo, n)
+    fill = torch.zeros if mask.dtype == torch.bool else (lambda *a, **k: torch.full(*a, float("-inf"), **k))
+    filler = fill((*mask.shape[:-1], pad), dtype=mask.dtype, device=mask.device)
+    return torch.cat([filler, mask[..., :max(0, lo + n)]], -1)
+
+
 def _chain(*iterators):
     for it in iterators:
         yield from it
@@ -353,7 +366,8 @@ def _chain(*iterators):
 def decode_attention(inp: DecodeInputs, block: int = BLOCK) -> torch.Tensor:
     """The new token's attention over every stored row -> [B, H_q, D] float32: the signature of
     reference.decode_attention and triton_attention.decode_attention (a `kernel` for check.check_case)."""
-    out = attend(inp, inp.q[:, :, None], inp.scaling, limit=inp.length, q_start=inp.length - 1, block=block)
+    end = inp.start + inp.length
+    out = attend(inp, inp.q[:, :, None], inp.scaling, limit=end, q_start=end - 1, block=block)
     return out[:, :, 0]
 
 
@@ -364,27 +378,46 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
     value: those rows as the model computed them, what a block-wise layer's update returns). -> [B, H_q, T_q, D]
     float32. T_q == 1: every stored row, the new one included (on CUDA the Triton kernel unless kernel=False).
     T_q > 1: the rows before the chunk as stored, then the chunk's own rows in full precision (prefill="full")
-    or as stored (prefill="stored"), causally."""
+    or as stored (prefill="stored"), causally. A sliding-window layer (layer.window) reads through its window's
+    mask (transformers' sliding mask, from layer.mask_offset; built here when none is given) and, once the step
+    has read it, drops what the next token cannot see (ArtifactLayer.end_step); the kernel serves its single
+    tokens when every row held is one the token reads (it reads every row it is given)."""
+    if prefill not in ("full", "stored"):
+        raise InputError(f"prefill must be 'full' or 'stored', got {prefill!r}")
     t_q = query.shape[2]
     total = layer.cumulative_length
     history = total - t_q
     if history < 0:
         raise ValueError(f"layer {layer.layer}: {t_q} queries but the cache holds {total} rows: update it first")
     inp = from_layer(layer, query[:, :, -1], scaling, layer.rotary)
+    offset = layer.mask_offset(history)
+    if layer.window is not None and mask is None:
+        mask = window_mask(history, t_q, offset, layer.window, query.device)
+    common = dict(mask=mask, block=block, stats=stats, mask_offset=offset)
     if t_q == 1:
-        if kernel or (kernel is None and query.is_cuda):
+        if (kernel or (kernel is None and query.is_cuda)) and layer.start >= offset:
             from runtime_check import triton_attention  # imports triton: only where the kernel runs
 
-            return triton_attention.decode_attention(inp, device=query.device)[:, :, None]
-        return attend(inp, query, scaling, limit=total, q_start=history, mask=mask, block=block, stats=stats)
-    if prefill == "stored":
-        return attend(inp, query, scaling, limit=total, q_start=history, mask=mask, block=block, stats=stats)
-    if prefill != "full":
-        raise InputError(f"prefill must be 'full' or 'stored', got {prefill!r}")
-    if key.shape[2] != t_q:
-        raise ValueError(f"layer {layer.layer}: prefill='full' needs the chunk's own {t_q} rows, got {key.shape[2]}")
-    return attend(inp, query, scaling, limit=history, q_start=history, own=(key, value), mask=mask, block=block,
-                  stats=stats)
+            out = triton_attention.decode_attention(inp, device=query.device)[:, :, None]
+        else:
+            out = attend(inp, query, scaling, limit=total, q_start=history, **common)
+    elif prefill == "stored":
+        out = attend(inp, query, scaling, limit=total, q_start=history, **common)
+    else:
+        if key.shape[2] != t_q:
+            raise ValueError(f"layer {layer.layer}: prefill='full' needs the chunk's own {t_q} rows, got "
+                             f"{key.shape[2]}")
+        out = attend(inp, query, scaling, limit=history, q_start=history, own=(key, value), **common)
+    layer.end_step()
+    return out
+
+
+def window_mask(history: int, t_q: int, offset: int, window: int, device) -> torch.Tensor:
+    """transformers' sliding-window causal mask [1, 1, T_q, history + T_q - offset] (True: attended) for queries
+    at history.. over keys from `offset`: a query at p reads positions p - window + 1 .. p."""
+    q = torch.arange(history, history + t_q, device=device)[:, None]
+    k = torch.arange(offset, history + t_q, device=device)[None]
+    return ((k <= q) & (k > q - window))[None, None]
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from exporters.codec import (CachePolicy, Encoded, TensorPolicy, check_exportable, decode, encode, pack_codes,
                             static_bits, unpack_codes)
 from exporters.ledger import key_group
-from exporters.rope import apply_rope, invert_rope
+from exporters.rope import apply_rope, invert_rope, rotary_tables
 from stages.base import InputError
 
 ATTENTION_MODES = ("blockwise", "materialize")
@@ -170,6 +170,7 @@ class _OpenPage:
         b, h, _, d = first.shape
         self.p, self.start, self.b, self.h, self.d = p, first.start, b, h, d
         self.cap, self.rows, self.n_out = cap, 0, 0
+        self.skip = 0  # leading rows forgotten (a sliding-window layer's rows that left the window: drop_before)
         self.buf: dict[str, torch.Tensor] = {}
         for name, t in first.tensors.items():
             if name in _OUTLIER_LISTS:
@@ -227,7 +228,8 @@ class _OpenPage:
                 out[name] = t[:self.rows]
             else:
                 out[name] = t[:, :, :-(-self.rows // _rows_per_entry(name, self.p))]
-        return StoredBlock(self.start, (self.b, self.h, self.rows, self.d), out)
+        full = StoredBlock(self.start, (self.b, self.h, self.rows, self.d), out)
+        return slice_rows(full, self.skip, self.rows, self.p) if self.skip else full
 
 
 class PagedRows:
@@ -243,6 +245,7 @@ class PagedRows:
         self.sealed: list[StoredBlock] = []       # full pages, as views of their buffers
         self.open: _OpenPage | None = None
         self.rows = self.n_out = 0                 # held in all pages
+        self.end: int | None = None                # position after the last row written
 
     def room(self) -> int:
         """Rows the open page still takes (a whole page when none is open)."""
@@ -260,21 +263,41 @@ class PagedRows:
 
     def write(self, blk: StoredBlock) -> None:
         """blk (at most room() rows, following the rows held) into the open page; a full page is sealed."""
-        if self.rows and blk.start != self._first() + self.rows:
-            raise ValueError(f"rows must be appended in order: {self.rows} rows held from position "
-                             f"{self._first()}, got rows at {blk.start}")
+        if self.end is not None and blk.start != self.end:
+            raise ValueError(f"rows must be appended in order: {self.rows} rows held up to position "
+                             f"{self.end}, got rows at {blk.start}")
         if self.open is None:
             self.open = _OpenPage(blk, self.p, self.page, self._out_capacity(blk))
         self.open.write(blk)
         self.rows += blk.shape[2]
+        self.end = blk.start + blk.shape[2]
         self.n_out += int(blk.tensors["outlier_value"].numel()) if "outlier_value" in blk.tensors else 0
         if self.open.room() == 0:
             self.sealed.append(self.open.view())
             self.open = None
 
-    def _first(self) -> int:
-        """Position of the first row held (rows > 0)."""
-        return self.sealed[0].start if self.sealed else self.open.start
+    def first(self) -> int | None:
+        """Position of the first row held (None when none is)."""
+        pages = self.pages()
+        return pages[0].start if pages else None
+
+    def drop_before(self, pos: int) -> None:
+        """Forget the rows at positions < pos (a sliding-window layer's rows that left its window), copying nothing:
+        pages wholly before pos go (their buffers freed once no reader holds them), the first page left is viewed
+        from pos on (slice_rows: pos must start a per-channel group of the page). Rows of a page that is kept stay
+        in its buffer until the whole page goes (reserved_bytes counts them), never in nbytes or a reader's view."""
+        while self.sealed and self.sealed[0].start + self.sealed[0].shape[2] <= pos:
+            self.sealed.pop(0)
+        if self.sealed and self.sealed[0].start < pos:
+            first = self.sealed[0]
+            self.sealed[0] = slice_rows(first, pos - first.start, first.shape[2], self.p)
+        elif not self.sealed and self.open is not None:
+            self.open.skip = max(self.open.skip, min(pos - self.open.start, self.open.rows))
+            if self.open.skip == self.open.rows:
+                self.open = None  # every row it held left: the next rows open a new page
+        pages = self.pages()
+        self.rows = sum(p.shape[2] for p in pages)
+        self.n_out = sum(n_outliers(p) for p in pages)
 
     def pages(self) -> tuple[StoredBlock, ...]:
         return (*self.sealed, *(() if self.open is None else (self.open.view(),)))
@@ -412,7 +435,9 @@ class ArtifactLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, layer: int, policy: CachePolicy, rope_fn, max_positions: int, rotary=None,
-                 attention: str = "materialize", page: int = PAGE):
+                 attention: str = "materialize", page: int = PAGE, window: int | None = None):
+        """window: a sliding-window (local) layer's window -- it holds the last `window` positions only (see
+        drop_before) -- or None for a global layer."""
         super().__init__()
         self.layer, self.policy, self.rope_fn, self.max_positions = layer, policy, rope_fn, max_positions
         self.rotary = rotary                 # the model's rotary module (the block-wise attention's RoPE tables)
@@ -424,6 +449,19 @@ class ArtifactLayer(CacheLayerMixin):
         self.recent: tuple[torch.Tensor, torch.Tensor] | None = None     # post-RoPE K, V rows (fp16)
         # pages of whole per-channel groups of both K and V, so K and V pages cover the same rows
         groups = math.lcm(key_group(self.pk), key_group(self.pv))
+        self.group = groups                  # rows leave a sliding window in these units (whole groups)
+        self.window = window
+        self.is_sliding = window is not None
+        self.start = 0                       # position of the first row held (> 0 once rows left the window)
+        if window is not None:
+            if window < 1:
+                raise InputError(f"layer {layer}: sliding window must be >= 1, got {window}")
+            if window < policy.residual + key_group(self.pk):  # the residual buffer itself must fit the window
+                raise InputError(f"layer {layer}: a sliding window of {window} positions cannot hold the residual "
+                                 f"buffer of {policy.residual} rows plus a key group of {key_group(self.pk)}; "
+                                 f"allowed: residual + group <= window, got {policy.residual} + "
+                                 f"{key_group(self.pk)} > {window}")
+            page = min(page, window)  # a local layer's pages are at most a window (freed as the window moves)
         self.page = -(-page // groups) * groups
         self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
         self.dtype = torch.float32
@@ -438,7 +476,10 @@ class ArtifactLayer(CacheLayerMixin):
         return self.v_rows.view()
 
     def lazy_initialization(self, key_states, value_states) -> None:
+        # the layer computes where its rows arrive (under a device_map, the layer's GPU): the policy's calibrated
+        # tensors are stored on CPU and moved here once
         self.device, self.dtype = key_states.device, key_states.dtype
+        self.pk, self.pv = self.pk.to(self.device), self.pv.to(self.device)
         self.is_initialized = True
 
     # -- bookkeeping ------------------------------------------------------------------------------------------
@@ -449,7 +490,54 @@ class ArtifactLayer(CacheLayerMixin):
         return -1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cumulative_length + query_length, 0
+        """(kv_length, kv_offset) of what the next update returns: every position, or for a sliding layer those
+        from mask_offset (transformers' sliding layers: the last window - 1 positions before the new ones)."""
+        offset = self.mask_offset(self.cumulative_length)
+        return self.cumulative_length + query_length - offset, offset
+
+    def mask_offset(self, history: int) -> int:
+        """The first position a query at `history` (the first of a chunk) may read: 0, or for a sliding layer
+        history - window + 1."""
+        return 0 if self.window is None else max(0, history - self.window + 1)
+
+    def _keep_from(self, pos: int) -> int:
+        """The first position held once the rows before `pos` are dropped: pos itself in the fp16 sink or residual
+        rows, rounded down to a whole group (self.group) within the encoded rows, which are encoded and sliced in
+        groups (docs/manifest.md); never before the first position held."""
+        if pos <= self.start:
+            return self.start
+        if self.sink is not None and pos < self.start + self.sink[0].shape[2]:
+            return pos
+        first = self.k_rows.first()
+        if first is not None and pos < first + self.k_rows.rows:
+            return first + (pos - first) // self.group * self.group
+        return min(pos, self.cumulative_length)
+
+    def drop_before(self, pos: int) -> None:
+        """Forget the rows at positions < pos -- a sliding layer's rows that left its window: the fp16 sink rows,
+        whole encoded groups (PagedRows.drop_before: pages freed, nothing copied) and fp16 residual rows."""
+        first = self._keep_from(pos)
+        if first <= self.start:
+            return
+        if self.sink is not None:
+            cut = first - self.start
+            self.sink = None if cut >= self.sink[0].shape[2] else tuple(x[:, :, cut:] for x in self.sink)
+        self.k_rows.drop_before(first)
+        self.v_rows.drop_before(first)
+        if self.recent is not None:
+            r0 = self.cumulative_length - self.recent[0].shape[2]
+            if first >= self.cumulative_length:
+                self.recent = None
+            elif first > r0:
+                self.recent = tuple(x[:, :, first - r0:] for x in self.recent)
+        self.start = first
+
+    def end_step(self) -> None:
+        """After the attention of a step read the layer: a sliding layer keeps its last `window` positions only
+        (what the newest token attended), so between steps it never holds more than its window (plus, for
+        per-channel key groups, the rest of the oldest group)."""
+        if self.window is not None:
+            self.drop_before(self.cumulative_length - self.window)
 
     def nbytes(self) -> int:
         """Bytes held: the fp16 sink and residual rows and the stored blocks as measured, plus the per-layer
@@ -467,7 +555,7 @@ class ArtifactLayer(CacheLayerMixin):
     def _lambda(self) -> torch.Tensor | None:
         if self.policy.smooth is None:
             return None
-        return self.policy.smooth[self.layer].float()[None, :, None, :]
+        return self.policy.smooth[self.layer].float().to(self.device)[None, :, None, :]
 
     def _encode_rows(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """k post-RoPE, v: [B, H, n, D] rows at positions start..start+n-1 -> the stored pages, encoded a page's
@@ -481,7 +569,7 @@ class ArtifactLayer(CacheLayerMixin):
             b = a + min(n - a, room)
             kp = k[:, :, a:b].float()
             if self.policy.key_rope == "pre":
-                cos, sin = self.rope_fn(start + a, b - a)
+                cos, sin = self.rope_fn(start + a, b - a, kp.device)
                 kp = invert_rope(kp, cos, sin)
             if lam is not None:
                 kp = kp / lam
@@ -517,6 +605,9 @@ class ArtifactLayer(CacheLayerMixin):
         if self.cumulative_length + t > self.max_positions:
             raise InputError(f"the cache would hold {self.cumulative_length + t} tokens, more than the model's "
                              f"{self.max_positions} positions")
+        history = self.cumulative_length
+        if self.window is not None:  # a sliding layer: what the first new query cannot read is dropped first
+            self.drop_before(self.mask_offset(history))
         k, v = key_states.to(torch.float16), value_states.to(torch.float16)
         n_sink_left = max(0, self.policy.n_sink - self.cumulative_length)
         if n_sink_left:
@@ -528,15 +619,21 @@ class ArtifactLayer(CacheLayerMixin):
         if k.shape[2]:
             self.recent = (k, v) if self.recent is None else tuple(torch.cat([a, b], 2) for a, b in zip(self.recent, (k, v)))
             self._flush()
-        if self.attention == "blockwise":
+        if self.attention == "blockwise":  # blockwise.layer_attention ends the step (end_step) once it has read
             return key_states, value_states
-        return self.materialize()
+        k_all, v_all = self.materialize()
+        if self.window is None:
+            return k_all, v_all
+        cut = self.mask_offset(history) - self.start  # rows of a whole group kept before the mask's first position
+        self.end_step()
+        return k_all[:, :, cut:], v_all[:, :, cut:]
 
     # -- what transformers' Cache calls beyond update --------------------------------------------------------
     def reset(self) -> None:
         """Every stored row dropped (sink, encoded blocks, residual rows); the policy and the model's RoPE stay,
         so the cache takes a new batch as if new."""
         self.cumulative_length = 0
+        self.start = 0
         self.sink = self.recent = None
         self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
         self.is_initialized = False
@@ -591,7 +688,7 @@ class ArtifactLayer(CacheLayerMixin):
             if lam is not None:
                 k = k * lam
             if self.policy.key_rope == "pre":
-                cos, sin = self.rope_fn(kb.start, k.shape[2])
+                cos, sin = self.rope_fn(kb.start, k.shape[2], k.device)
                 k = apply_rope(k, cos, sin)
             ks.append(k)
             vs.append(decode(load(vb, self.pv), self.pv))
@@ -629,19 +726,24 @@ class ArtifactCache(Cache):
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
             check_exportable(pk, f"ArtifactCache: layer {i} keys")
             check_exportable(pv, f"ArtifactCache: layer {i} values")
-        rotary = model.model.rotary_emb
-        dtype = next(model.parameters()).dtype
-        device = next(model.parameters()).device
+        from stages.hooks import layer_windows, model_rotaries
 
-        def rope_fn(start: int, n: int):
-            pos = torch.arange(start, start + n, device=device)[None]
-            cos, sin = rotary(torch.zeros(1, n, 1, dtype=dtype, device=device), pos)
-            return cos[0].float(), sin[0].float()
+        dtype = next(model.parameters()).dtype
+
+        def rope_fn_of(rotary):
+            def rope_fn(start: int, n: int, device: torch.device):
+                """cos, sin [n, D] float32 at positions start.., computed on the rotary module's device, on `device`."""
+                cos, sin = rotary_tables(rotary, start, n, dtype)
+                return cos[0].float().to(device), sin[0].float().to(device)
+            return rope_fn
 
         max_positions = int(model.config.max_position_embeddings)
         if len(policy.layers) != model.config.num_hidden_layers:
             raise InputError(f"artifact has {len(policy.layers)} layers, the model {model.config.num_hidden_layers}")
-        super().__init__(layers=[ArtifactLayer(i, policy, rope_fn, max_positions, rotary, attention, page)
+        # each layer's own RoPE (local and global layers may rotate differently) and window (None: global)
+        rotaries, windows = model_rotaries(model), layer_windows(model.config)
+        super().__init__(layers=[ArtifactLayer(i, policy, rope_fn_of(rotaries[i]), max_positions, rotaries[i],
+                                               attention, page, window=windows[i])
                                  for i in range(len(policy.layers))])
 
     @property

@@ -53,7 +53,7 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
     decode step. prefix: {"ids": [P], "k", "v": [L, H, P, D]} rows served from the artifact at positions 0..P-1."""
     from runtime_check.cache import ArtifactCache
     from runtime_check.inputs import from_layer
-    from stages.hooks import attention_override, eager_attention
+    from stages.hooks import attention_override, eager_attention, model_rotaries
 
     model = lm.model
     device = next(model.parameters()).device
@@ -75,12 +75,15 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
             for i, layer in enumerate(cache.layers):
                 k, v = (t[i].to(torch.float16)[None].expand(ids.shape[0], -1, -1, -1)
                         for t in (prefix["k"], prefix["v"]))
-                p = k.shape[2]
-                layer.sink = (torch.cat([k, layer.sink[0][:, :, p:]], 2), torch.cat([v, layer.sink[1][:, :, p:]], 2))
+                p, a = k.shape[2], layer.start  # a sliding layer holds positions a.. only (the rest left its window)
+                if layer.sink is None or a >= p:
+                    continue
+                layer.sink = tuple(torch.cat([x[:, :, a:], held[:, :, p - a:]], 2)
+                                   for x, held in zip((k, v), layer.sink))
         with attention_override(model, capture):
             model(ids[:, -1:], cache=cache)
-    rotary = model.model.rotary_emb
-    return [from_layer(layer, queries[i][0], queries[i][1], rotary) for i, layer in enumerate(cache.layers)]
+    rotaries = model_rotaries(model)  # each layer's own RoPE (local and global layers may differ)
+    return [from_layer(layer, queries[i][0], queries[i][1], rotaries[i]) for i, layer in enumerate(cache.layers)]
 
 
 def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor) -> dict:

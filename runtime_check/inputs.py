@@ -3,6 +3,8 @@
 The kernel (triton_attention.py) and the oracle (reference.py) take the same DecodeInputs, so a check compares
 two readers of identical bytes. Positions: sink rows are 0..S-1, encoded block rows start..start+T_q-1 (the
 block's `start`), residual rows follow; sink and residual keys are stored post-RoPE, block keys per `key_rope`.
+A sliding-window layer forgets its oldest rows: then the rows held begin at `start` (sink rows, if any are left,
+at start..S-1) and are contiguous from there.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class DecodeInputs:
     v_block: StoredBlock | PagedBlock | None = None
     recent: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, R, D] fp16 post-RoPE K, V
     smooth: torch.Tensor | None = None                     # [H_kv, D] lambda: block keys hold K / lambda
+    start: int = 0                                         # position of the first row held (a sliding layer's
+                                                           # oldest rows leave its window: then > 0)
 
     def _row_keys(self) -> list[torch.Tensor]:
         return [pair[0] for pair in (self.sink, self.recent) if pair is not None]
@@ -53,15 +57,11 @@ def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: to
     smooth = layer.policy.smooth[layer.layer].float() if layer.policy.smooth is not None else None
     return DecodeInputs(q=q.float().contiguous(), scaling=float(scaling), key_policy=layer.pk, value_policy=layer.pv,
                         key_rope=layer.policy.key_rope, rotary=rotary, sink=layer.sink, k_block=layer.k_block,
-                        v_block=layer.v_block, recent=layer.recent, smooth=smooth)
+                        v_block=layer.v_block, recent=layer.recent, smooth=smooth, start=layer.start)
 
 
 def _to(x, device):
     return None if x is None else x.to(device)
-
-
-def policy_to(p: TensorPolicy, device) -> TensorPolicy:
-    return replace(p, **{name: t.to(device) for name, t in p.calibrated().items()})
 
 
 def block_to(block: StoredBlock | PagedBlock | None, device) -> StoredBlock | PagedBlock | None:
@@ -78,7 +78,7 @@ def inputs_to(inp: DecodeInputs, device) -> DecodeInputs:
     def pair(p):
         return None if p is None else (p[0].to(device), p[1].to(device))
 
-    return replace(inp, q=inp.q.to(device), key_policy=policy_to(inp.key_policy, device),
-                   value_policy=policy_to(inp.value_policy, device), sink=pair(inp.sink),
+    return replace(inp, q=inp.q.to(device), key_policy=inp.key_policy.to(device),
+                   value_policy=inp.value_policy.to(device), sink=pair(inp.sink),
                    k_block=block_to(inp.k_block, device), v_block=block_to(inp.v_block, device),
                    recent=pair(inp.recent), smooth=_to(inp.smooth, device))

@@ -43,9 +43,17 @@ class CalibrationRows:
 
 
 def rotate_rows(k: torch.Tensor, res_pos: torch.Tensor, rotary, dtype: torch.dtype) -> torch.Tensor:
-    """Pre-RoPE reservoir rows [S, L, H, D] -> post-RoPE, each row rotated at its own position."""
-    cos, sin = rotary_tables(rotary, 0, int(res_pos.max()) + 1, dtype)
-    cos, sin = cos[0, res_pos], sin[0, res_pos]                   # [S, D]
+    """Pre-RoPE reservoir rows [S, L, H, D] -> post-RoPE, each row rotated at its own position. rotary: the model's
+    rotary module, or one per layer (stages.hooks.model_rotaries: local and global layers with their own RoPE),
+    each layer then rotated with its own."""
+    if isinstance(rotary, (list, tuple)):
+        if len(rotary) != k.shape[1]:
+            raise ValueError(f"rotate_rows: {len(rotary)} rotary modules for {k.shape[1]} layers")
+        if any(r is not rotary[0] for r in rotary):
+            return torch.cat([rotate_rows(k[:, i : i + 1], res_pos, r, dtype) for i, r in enumerate(rotary)], 1)
+        rotary = rotary[0]
+    cos, sin = rotary_tables(rotary, 0, int(res_pos.max()) + 1, dtype)  # on the rotary module's device
+    cos, sin = cos[0, res_pos.to(cos.device)].to(k.device), sin[0, res_pos.to(sin.device)].to(k.device)  # [S, D]
     s, n_layers, h, d = k.shape
     rows = k.permute(1, 2, 0, 3).reshape(1, n_layers * h, s, d)  # rows as a [1, L*H, S, D] "sequence"
     rot = apply_rope(rows, cos, sin)
@@ -65,8 +73,8 @@ def rows_for(traces: dict[str, torch.Tensor], key_rope: str, rotary, dtype: torc
              rotate_k: bool = False, rotate_v: bool = False) -> CalibrationRows:
     """traces: the traces stage's tensors (res_k, res_v, res_pos); fisher: the Fisher stage's (fisher_k,
     fisher_v) or None when the stage needs no weights; smooth: lambda [L, H, D] or None; rotary/dtype: the
-    model's rotary module and dtype (post-RoPE recipes); rotate_k / rotate_v: the recipe rotates that tensor's
-    rows before quantizing (codec rotation "hadamard")."""
+    model's rotary module (or one per layer: rotate_rows) and dtype (post-RoPE recipes); rotate_k / rotate_v: the
+    recipe rotates that tensor's rows before quantizing (codec rotation "hadamard")."""
     k, v = traces["res_k"], traces["res_v"]
     if smooth is not None:
         k = k / smooth[None]

@@ -27,7 +27,8 @@ from exporters.ledger import key_group, recent_rows
 from exporters.rope import apply_rope, invert_rope
 from stages.base import StageResult
 from stages.engine_cache import engine_attention
-from stages.hooks import attend, attention_override, attention_scores, rope_tables, sdpa_attention
+from stages.hooks import (attend, attention_override, attention_scores, layer_rope, lm_logits, logit_rows,
+                          model_device, rope_tables, sdpa_attention)
 
 
 @dataclass
@@ -121,7 +122,7 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: _Ledger | None,
             v_in = torch.cat([v_in[:, :, :s], perturb(v_in[:, :, s:])], 2)
         k16, v16 = _served_rows(k_in), _served_rows(v_in)             # post-RoPE keys, values [B, H, T, D]
         k_src = k16[:, :, s:]
-        cos, sin = rope["cos"][:, s:t], rope["sin"][:, s:t]
+        cos, sin = (x[:, s:t] for x in layer_rope(rope, layer))  # this layer's table (local / global RoPE)
         if policy.key_rope == "pre":
             k_src = invert_rope(k_src, cos, sin)
         lam = policy.smooth[layer].float().to(key.device)[None, :, None, :] if policy.smooth is not None else None
@@ -168,19 +169,74 @@ def _served(ids: torch.Tensor, policy: CachePolicy) -> tuple[torch.Tensor, int]:
     return torch.cat([policy.prefix_ids.to(ids)[None], ids], dim=1), int(policy.prefix_ids.numel())
 
 
-def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
-                    perturb: Perturbation | None = None) -> torch.Tensor:
-    """ids [1, T] -> next-token log-probabilities [T, V] (float32) on the window's own positions with the cache
-    served under `policy` (after its prefix, if it has one)."""
+def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
+                  perturb: Perturbation | None = None) -> torch.Tensor:
+    """ids [1, T] -> the final hidden states [T, hidden] on the window's own positions with the cache served
+    under `policy` (after its prefix, if it has one); the head is applied chunk by chunk by the caller. The
+    policy's calibrated tensors are moved to the activations' device (policies are stored on CPU)."""
     run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
     if policy.is_full_precision:
-        return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
+        return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
     if policy.engine is not None:  # a library's own cache, served through that library
         attn = engine_attention(policy.engine, model.config, ledger, perturb)
     else:
-        attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
+        attn = quantized_attention(policy.to(run_ids.device), rope_tables(model, run_ids), ledger, perturb)
     with attention_override(model, attn):
-        return torch.log_softmax(model(run_ids, use_cache=False).logits[0, p:].float(), -1)
+        return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
+
+
+def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
+                    perturb: Perturbation | None = None) -> torch.Tensor:
+    """ids [1, T] -> next-token log-probabilities [T, V] (float32) on the window's own positions with the cache
+    served under `policy`. All T x V at once: for short windows and tests; fit takes them chunk by chunk."""
+    return torch.log_softmax(lm_logits(model, policy_hidden(model, ids, policy, ledger, perturb)), -1)
+
+
+REF_HOLD_BYTES = 2 ** 30  # the reference's log-probabilities of one window are kept across policies up to this
+
+
+class _WindowMetrics:
+    """Next-token metrics of one window against the reference, over chunks of positions (stages.hooks.logit_rows):
+    never more than a chunk of float32 full-vocabulary log-probabilities per side. The reference's chunks are
+    computed once and held when the whole window's fit in REF_HOLD_BYTES, else recomputed per policy."""
+
+    def __init__(self, model: torch.nn.Module, ref_hidden: torch.Tensor, targets: torch.Tensor):
+        self.model, self.ref_hidden, self.targets = model, ref_hidden, targets
+        t, vocab = ref_hidden.shape[0], model.config.vocab_size
+        self.step = logit_rows(vocab)
+        self.held = [] if t * vocab * 4 <= REF_HOLD_BYTES else None
+        self.ref_top = torch.empty(t, dtype=torch.int64, device=ref_hidden.device)
+        self.ref_nll = 0.0
+        for i, c in enumerate(range(0, t, self.step)):
+            ref = self._ref(i, c, fresh=True)
+            self.ref_top[c : c + self.step] = ref.argmax(-1)
+            self.ref_nll += self._nll(ref, c)
+
+    def _ref(self, i: int, c: int, fresh: bool = False) -> torch.Tensor:
+        if not fresh and self.held is not None:
+            return self.held[i]
+        ref = torch.log_softmax(lm_logits(self.model, self.ref_hidden[c : c + self.step]), -1)
+        if fresh and self.held is not None:
+            self.held.append(ref)
+        return ref
+
+    def _nll(self, logp: torch.Tensor, c: int) -> float:
+        tgt = self.targets[c : c + self.step]  # the last position predicts nothing
+        return -float(logp[: tgt.numel()].gather(1, tgt[:, None]).sum())
+
+    def of(self, hidden: torch.Tensor | None) -> tuple[float, float, int]:
+        """hidden [T, hidden] of a policy (None: the reference itself) -> (summed NLL, summed KL(ref || policy),
+        top-1 agreements)."""
+        if hidden is None:
+            return self.ref_nll, 0.0, int(self.ref_top.numel())
+        nll, kl, top1 = 0.0, 0.0, 0
+        for i, c in enumerate(range(0, hidden.shape[0], self.step)):
+            ref = self._ref(i, c)
+            logp = torch.log_softmax(lm_logits(self.model, hidden[c : c + self.step]), -1)
+            nll += self._nll(logp, c)
+            kl += float((ref.exp() * (ref - logp)).sum())
+            top1 += int((logp.argmax(-1) == self.ref_top[c : c + self.step]).sum())
+        return nll, kl, top1
 
 
 def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, n_boot: int = 2000,
@@ -216,15 +272,13 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
                       "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
              for p in policies}
     ref_nll = torch.zeros(n_win, dtype=torch.float64)
-    device = next(model.parameters()).device
+    device = model_device(model)
     kv_elements = spec.n_layers * spec.n_kv_heads * spec.head_dim
     with torch.no_grad():
         for w in range(n_win):
             ids = windows[w : w + 1].to(device)
-            targets = ids[0, 1:]
-            ref = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)  # [T, V]
-            ref_top = ref.argmax(-1)
-            ref_nll[w] = -float(ref[:-1].gather(1, targets[:, None]).sum())
+            metrics = _WindowMetrics(model, model.model(ids, use_cache=False).last_hidden_state[0], ids[0, 1:])
+            ref_nll[w] = metrics.ref_nll
             for policy in policies:
                 st = stats[policy.name]
                 runs = [None] if policy.is_full_precision else seeds
@@ -232,16 +286,15 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
                     perturb = None if seed is None else Perturbation(
                         cfg.perturb_scale, torch.Generator().manual_seed(1_000_003 * seed + w))
                     if policy.is_full_precision and policy.prefix_ids is None:
-                        logp = ref
+                        hidden = None  # the reference itself
                     else:
-                        logp = policy_logprobs(model, ids, policy, st["ledger"], perturb)
+                        hidden = policy_hidden(model, ids, policy, st["ledger"], perturb)
                     if policy.is_full_precision:
                         n_rows = ids.shape[1] + (0 if policy.prefix_ids is None else int(policy.prefix_ids.numel()))
                         st["ledger"].bits += FULL_PRECISION_BITS * 2 * n_rows * kv_elements
                         st["ledger"].elements += 2 * n_rows * kv_elements
-                    st["nll"][i, w] = -float(logp[:-1].gather(1, targets[:, None]).sum())
-                    st["kl"] += float((ref.exp() * (ref - logp)).sum())
-                    st["top1"] += int((logp.argmax(-1) == ref_top).sum())
+                    nll, kl, top1 = metrics.of(hidden)
+                    st["nll"][i, w], st["kl"], st["top1"] = nll, st["kl"] + kl, st["top1"] + top1
                     st["tokens"] += ids.shape[1]
             if progress:
                 progress(1)

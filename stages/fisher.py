@@ -1,26 +1,40 @@
 """Diagonal Fisher information of the cached K and V (KVQuant, Hooper et al. 2024, sec. 3.3 and App. C).
 
 F = (dL/dA)^2 per element, L the causal-LM cross-entropy (summed over tokens, labels = input ids) and A the
-k_proj / v_proj output (pre-RoPE keys, values); the gradient is the total one, through every later layer. KVQuant keeps the squared gradient per token and element;
+pre-RoPE keys (stages.hooks.key_module: k_proj, or the key norm after it) and values (v_proj output); the gradient
+is the total one, through every later layer. KVQuant keeps the squared gradient per token and element;
 we keep it for exactly the reservoir rows of the traces stage, so Fisher and activations align element by
-element. One window's graph at a time bounds memory.
+element. One window's graph at a time bounds memory, and the loss is taken over chunks of positions
+(stages.hooks.logit_rows): the full-vocabulary logits of a long window are never held at once (8192 positions x
+Llama-3's 128256 float32 logits would be 4.2 GB, twice over with their gradient).
 """
 from __future__ import annotations
 
+import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
+import torch.utils.checkpoint
 
-from stages.base import StageResult, check_finite
-from stages.hooks import attention_layers, forward_hooks
+from stages.base import InputError, StageResult, check_finite
+from stages.hooks import attention_layers, forward_hooks, head_rows, key_module, lm_logits, logit_rows, model_device
+
+
+RECOMPUTE = ("auto", "always", "never")
+RECOMPUTE_AUTO_TOKENS = 4096  # "auto" recomputes layers for windows at least this long
 
 
 @dataclass
 class FisherConfig:
-    """Fisher has no options: it runs whenever a recipe needs calibrated codebooks, and how the codebooks use its
-    weights is chosen by codebooks.weighting (stages/codebooks.py). The dataclass stays, empty, for the one stage
-    signature fit(inputs, cfg, progress); `fisher.<key>=...` is refused as an unknown key."""
+    """Fisher runs whenever a recipe needs calibrated codebooks; how the codebooks use its weights is chosen by
+    codebooks.weighting (stages/codebooks.py). recompute: keep only each decoder layer's input during the forward
+    and recompute the layer in the backward (activation checkpointing; torch.utils.checkpoint, non-reentrant):
+    the gradients are the same, the memory of the saved activations drops from every layer's graph (about 1.3 GB
+    per Llama-3-8B layer at 8192 positions in bfloat16) to one layer's graph plus a [T, hidden] input per layer,
+    for one more forward. "auto": for windows of RECOMPUTE_AUTO_TOKENS positions or more."""
+    recompute: str = "auto"
 
 
 @dataclass
@@ -32,30 +46,70 @@ class Inputs:
     res_pos: torch.Tensor         # [S] and position
 
 
+def summed_loss_grad(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed next-token cross-entropy of final hidden states [1, T, hidden] against targets [T - 1] (the
+    window's ids shifted by one; summed, so gradients do not shrink with T) and its gradient with respect to the
+    hidden states, taken chunk by chunk of positions: one chunk of float32 logits at a time."""
+    leaf = hidden.requires_grad_(True)
+    grad = torch.zeros_like(hidden)
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    step = logit_rows(model.config.vocab_size)
+    for c in range(0, targets.numel(), step):
+        logits = lm_logits(model, leaf[0, c : c + step])[: targets[c : c + step].numel()]
+        loss = torch.nn.functional.cross_entropy(logits, targets[c : c + step], reduction="sum")
+        grad += torch.autograd.grad(loss, leaf)[0]
+        total += loss.detach().double()
+    return total, grad
+
+
+@contextmanager
+def recomputed_layers(layers, enabled: bool) -> Iterator[None]:
+    """Within the block each decoder layer's forward runs under torch.utils.checkpoint (non-reentrant): its
+    activations are recomputed in the backward instead of held (hooks inside the layer run again then)."""
+    if not enabled:
+        yield
+        return
+    originals = [layer.forward for layer in layers]
+    for layer, forward in zip(layers, originals):
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # the class's own forward again
+
+
 def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
     """-> fisher_k, fisher_v [S, n_layers, H_kv, D] for the reservoir rows."""
+    cfg = cfg or FisherConfig()
     model, spec, windows, res_sample, res_pos = (inputs.model, inputs.spec, inputs.windows, inputs.res_sample,
                                                  inputs.res_pos)
     n_rows = res_sample.numel()
     shape = (n_rows, spec.n_layers, spec.n_kv_heads, spec.head_dim)
-    fisher_k, fisher_v = torch.zeros(shape), torch.zeros(shape)
+    fisher_k, fisher_v = torch.zeros(shape), torch.zeros(shape)  # results on CPU; gradients on the model's device
     leaves: dict[tuple[str, int], torch.Tensor] = {}
 
     def make(kind: str, layer: int):
         def hook(_m, _inp, out):
             # out + 0, with the zero a leaf: dL/d(zero) = dL/d(out) through every path -- this layer's attention
             # and every later layer's K and V, which read this layer's output through the residual stream
-            zero = torch.zeros_like(out, requires_grad=True)
-            leaves[(kind, layer)] = zero
+            # a layer recomputed in the backward (FisherConfig.recompute) runs this hook again: the same leaf is
+            # added, so the replay records the same operations on the same tensors
+            zero = leaves.get((kind, layer))
+            if zero is None:
+                zero = leaves[(kind, layer)] = torch.zeros_like(out, requires_grad=True)
             return out + zero
         return hook
 
     attns = attention_layers(model)
-    hooks = [(a.k_proj, make("k", i), False) for i, a in enumerate(attns)]
+    hooks = [(key_module(a), make("k", i), False) for i, a in enumerate(attns)]  # pre-RoPE keys (after k_norm)
     hooks += [(a.v_proj, make("v", i), False) for i, a in enumerate(attns)]
-    device = next(model.parameters()).device
+    device = model_device(model)
     total_loss = 0.0
-    with forward_hooks(hooks), torch.enable_grad():
+    if cfg.recompute not in RECOMPUTE:
+        raise InputError(f"fisher.recompute must be one of {RECOMPUTE}, got {cfg.recompute!r}")
+    recompute = cfg.recompute == "always" or (cfg.recompute == "auto" and windows.shape[1] >= RECOMPUTE_AUTO_TOKENS)
+    with forward_hooks(hooks), torch.enable_grad(), recomputed_layers(model.model.layers, recompute):
         for s in range(windows.shape[0]):
             rows = (res_sample == s).nonzero().flatten()
             if rows.numel() == 0:
@@ -64,16 +118,17 @@ def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int
                 continue
             leaves.clear()
             ids = windows[s : s + 1].to(device)
-            out = model(ids, labels=ids, use_cache=False)
-            loss = out.loss * (ids.shape[1] - 1)  # summed cross-entropy: gradients do not shrink with T
-            check_finite(loss.detach(), f"the LM loss of calibration sample {s}")
+            hidden = model.model(ids, use_cache=False).last_hidden_state  # [1, T, hidden]
+            loss, grad_hidden = summed_loss_grad(model, hidden.detach(), ids[0, 1:])
+            check_finite(loss, f"the LM loss of calibration sample {s}")
             keys = [("k", i) for i in range(spec.n_layers)] + [("v", i) for i in range(spec.n_layers)]
-            grads = torch.autograd.grad(loss, [leaves[k] for k in keys])
+            grads = torch.autograd.grad(hidden, [leaves[k] for k in keys], grad_outputs=grad_hidden)
             pos = res_pos[rows]
             for (kind, layer), g in zip(keys, grads):
-                sq = g[0, pos].float().square().view(-1, spec.n_kv_heads, spec.head_dim)  # [rows, H, D]
-                (fisher_k if kind == "k" else fisher_v)[rows, layer] = sq
-            total_loss += float(loss.detach())
+                g = head_rows(g, spec.n_kv_heads, spec.head_dim)  # [1, T, H, D]
+                sq = g[0, pos.to(g.device)].float().square()  # [rows, H, D]
+                (fisher_k if kind == "k" else fisher_v)[rows, layer] = sq.cpu()
+            total_loss += float(loss)
             if progress:
                 progress(1)
     check_finite(fisher_k, "Fisher of keys")

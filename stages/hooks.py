@@ -2,7 +2,10 @@
 function registered with transformers' AttentionInterface that calls whatever the active stage installs.
 Registration happens on the first `attention_override` (importing this module changes nothing in transformers).
 
-The attention function receives post-RoPE queries and keys [B, H, T, D]; the k_proj hook sees pre-RoPE keys.
+The attention function receives post-RoPE queries and keys [B, H, T, D]; a hook on key_module / query_module
+(k_proj / q_proj, or the q/k norm after them where the attention has one: Gemma 3) sees the keys and queries
+just before RoPE. Local (sliding-window) and global layers may rotate with different tables: model_rotaries,
+rope_tables / layer_rope give each layer its own; layer_windows each layer's window.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from exporters.rope import rotary_tables
+from exporters.rope import layer_rotaries, rotary_tables
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
@@ -41,6 +44,7 @@ def serving_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int =
         return None
     if attention_mask is not None:
         attention_mask = attention_mask.bool()
+    kwargs.pop("allow_is_causal_skip", None)  # always materialized (transformers passes it for sliding masks)
     return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
                      local_size, allow_is_causal_skip=False, **kwargs)
 
@@ -89,15 +93,107 @@ def forward_hooks(hooks: list[tuple[torch.nn.Module, Callable, bool]]) -> Iterat
             h.remove()
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's activations start (its input embedding): the device a stage feeds ids to. Under accelerate's
+    device_map a model spans GPUs, so what a hook receives is on that layer's device: stages allocate running state
+    on the activations' device and move results to CPU when they return."""
+    return model.get_input_embeddings().weight.device
+
+
+LOGIT_BUDGET_BYTES = 256 * 2 ** 20  # one chunk of float32 full-vocabulary logits (evaluation, Fisher's loss)
+
+
+def logit_rows(vocab_size: int) -> int:
+    """Positions per chunk of full-vocabulary float32 logits: 1365 at SmolLM2's 49152, 523 at Llama-3's 128256."""
+    return max(1, LOGIT_BUDGET_BYTES // (4 * vocab_size))
+
+
+def lm_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's head on final hidden states [..., hidden] -> float32 logits [..., V], with the final logit
+    soft-capping of the models that have one (what model(...).logits computes, for any slice of positions)."""
+    logits = model.lm_head(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
+def key_module(attn: torch.nn.Module) -> torch.nn.Module:
+    """The module whose output is the layer's pre-RoPE keys: the keys just before RoPE, so the key norm where the
+    attention has one (Gemma 3's k_norm), else k_proj. Its output: see head_rows."""
+    norm = getattr(attn, "k_norm", None)
+    return attn.k_proj if norm is None else norm
+
+
+def query_module(attn: torch.nn.Module) -> torch.nn.Module:
+    """The module whose output is the layer's pre-RoPE queries: q_norm where there is one, else q_proj."""
+    norm = getattr(attn, "q_norm", None)
+    return attn.q_proj if norm is None else norm
+
+
+def head_rows(out: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """A key_module / query_module output (or its gradient) as rows [B, T, H, D]: a projection's [B, T, H*D], or a
+    per-head norm's [B, H, T, D] (Gemma 3 normalizes after the head transpose; the norm shares the layout of its
+    input, so the supported models' 4-D outputs are all [B, H, T, D])."""
+    if out.dim() == 3:
+        return out.view(out.shape[0], out.shape[1], n_heads, head_dim)
+    if out.dim() == 4 and out.shape[1] == n_heads and out.shape[3] == head_dim:
+        return out.transpose(1, 2)
+    raise ValueError(f"head_rows: expected [B, T, {n_heads}*{head_dim}] or [B, {n_heads}, T, {head_dim}], "
+                     f"got {tuple(out.shape)}")
+
+
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}  # transformers' names -> the manifest's
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per layer, the window a local layer attends within -- the query's own position and the window - 1 before
+    it, as transformers' sliding mask -- or None for a global layer: from config.layer_types where the config has
+    them (Gemma 3, Qwen 2), else the config's sliding_window for every layer (Mistral), else all global. A layer
+    type other than full / sliding attention is refused by name."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [int(window) if window else None] * n
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown or len(types) != n:
+        raise ValueError(f"config.layer_types: allowed {sorted(LAYER_TYPES)} for each of {n} layers, got {list(types)}")
+    if "sliding_attention" in types and not window:
+        raise ValueError(f"config.layer_types has sliding_attention layers but sliding_window is {window!r}")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def model_rotaries(model: torch.nn.Module) -> list:
+    """The rotary module each decoder layer applies (exporters.rope.layer_rotaries): the model's one module for
+    every layer, or, where local (sliding) and global layers rotate differently (Gemma 3), that layer type's."""
+    c = model.config
+    return layer_rotaries(model.model.rotary_emb, getattr(c, "layer_types", None), c.num_hidden_layers)
+
+
 def rope_tables(model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """{"cos", "sin"} [1, T, D] of the model's own rotary module at positions 0..T-1 of ids [B, T], in the
-    model's dtype (what its attention applies)."""
-    cos, sin = rotary_tables(model.model.rotary_emb, 0, ids.shape[1], next(model.parameters()).dtype)
-    return {"cos": cos.to(ids.device), "sin": sin.to(ids.device)}
+    """RoPE tables at positions 0..T-1 of ids [B, T], in the model's dtype (what its attention applies):
+    {"layers": [(cos, sin) [1, T, D] per layer]} (layers sharing a rotary module share the tensors), plus
+    {"cos", "sin"} when every layer uses the same table. Read a layer's with layer_rope."""
+    dtype = next(model.parameters()).dtype
+    tables: dict = {}
+    layers = []
+    for rotary in model_rotaries(model):
+        if rotary not in tables:
+            cos, sin = rotary_tables(rotary, 0, ids.shape[1], dtype)
+            tables[rotary] = (cos.to(ids.device), sin.to(ids.device))
+        layers.append(tables[rotary])
+    out: dict = {"layers": layers}
+    if len(tables) == 1:
+        out["cos"], out["sin"] = layers[0]
+    return out
+
+
+def layer_rope(rope: dict, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [1, T, D] of one layer from rope_tables' result."""
+    return rope["layers"][layer] if "layers" in rope else (rope["cos"], rope["sin"])
 
 
 def group_queries(query: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

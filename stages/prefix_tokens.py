@@ -16,7 +16,7 @@ Choices, written down:
 - when fewer distinct outlier tokens exist than n, the prefix holds the ones there are.
 - ids are stored, not strings, with the tokenizer identity (ModelSpec.tokenizer_sha256).
 
-The prefix's K/V come from one full-precision forward of the prefix alone: pre-RoPE K (k_proj output),
+The prefix's K/V come from one full-precision forward of the prefix alone: pre-RoPE K (stages.hooks.key_module),
 post-RoPE K and V, each [L, H_kv, P, D] in the model's dtype. Injected as past key values they reproduce
 running prefix + window as one sequence (positions continue at P).
 """
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from stages.base import InputError, StageResult
-from stages.hooks import attention_layers, attention_override, forward_hooks, sdpa_attention
+from stages.hooks import (attention_layers, attention_override, forward_hooks, head_rows, key_module, model_device,
+                          sdpa_attention)
 
 
 @dataclass
@@ -91,16 +92,16 @@ def prefix_kv(model: torch.nn.Module, spec, ids: torch.Tensor) -> dict[str, torc
     k_pre, k_post, v = ([None] * n_layers for _ in range(3))
 
     def on_k(layer: int):
-        def hook(_m, _inp, out):  # [1, P, H*D] -> [H, P, D]
-            k_pre[layer] = out[0].detach().view(p, spec.n_kv_heads, spec.head_dim).transpose(0, 1)
+        def hook(_m, _inp, out):  # [1, P, H*D] (k_proj) or [1, H, P, D] (a per-head key norm) -> [H, P, D]
+            k_pre[layer] = head_rows(out, spec.n_kv_heads, spec.head_dim)[0].detach().transpose(0, 1)
         return hook
 
     def keep(module, query, key, value, mask, scaling):
         k_post[module.layer_idx], v[module.layer_idx] = key[0].detach(), value[0].detach()
         return sdpa_attention(query, key, value, mask, scaling)
 
-    hooks = [(a.k_proj, on_k(i), False) for i, a in enumerate(attention_layers(model))]
-    device = next(model.parameters()).device
+    hooks = [(key_module(a), on_k(i), False) for i, a in enumerate(attention_layers(model))]
+    device = model_device(model)
     with torch.no_grad(), forward_hooks(hooks), attention_override(model, keep):
         model.model(ids[None].to(device), use_cache=False)
     return {"k_pre": torch.stack(k_pre).cpu(), "k_post": torch.stack(k_post).cpu(), "v": torch.stack(v).cpu()}

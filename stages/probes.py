@@ -14,7 +14,7 @@ import torch
 from exporters.codec import CachePolicy
 from stages.base import StageResult
 from stages.evaluate import quantized_attention
-from stages.hooks import attention_override, rope_tables
+from stages.hooks import attention_override, model_device, rope_tables
 
 @dataclass
 class ProbeConfig:
@@ -63,9 +63,11 @@ def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None
     cells: dict[str, dict[str, int]] = {"fp16": {}}
     for p in policies:
         cells[p.name] = {}
+    device = model_device(model)
+    policies = [p.to(device) for p in policies]
     with torch.no_grad():
         for pr in prompts:
-            ids, a = pr["ids"], pr["answer_from"]
+            ids, a = pr["ids"].to(device), pr["answer_from"]
             target = ids[0, a:]
             key = f"{pr['length']}@{pr['depth']:g}"
             rope = rope_tables(model, ids)

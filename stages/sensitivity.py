@@ -16,7 +16,7 @@ import torch
 from exporters.codec import CachePolicy, TensorPolicy
 from stages.base import StageResult
 from stages.evaluate import quantized_attention
-from stages.hooks import attention_layers, attention_override, forward_hooks, rope_tables
+from stages.hooks import attention_layers, attention_override, forward_hooks, model_device, rope_tables
 
 @dataclass
 class SensitivityConfig:
@@ -75,9 +75,11 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
         return hook
 
     hooks = [(a.o_proj, grab(i), True) for i, a in enumerate(attention_layers(model))]
+    device = model_device(model)
+    policy = policy.to(device)
     with torch.no_grad(), forward_hooks(hooks):
         for w in range(windows.shape[0]):
-            ids = windows[w : w + 1]
+            ids = windows[w : w + 1].to(device)
             targets = ids[0, 1:]
             rope = rope_tables(model, ids)
             ref = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
@@ -92,11 +94,12 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
                     with attention_override(model, quantized_attention(pol, rope, None)):
                         logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
                     kl_pos = (ref.exp() * (ref - logp)).sum(-1).double()  # [T]
-                    kl[v_idx, layer] += kl_pos.mean()
-                    top1[v_idx, layer] += (logp.argmax(-1) == ref_top).double().mean()
-                    dnll[v_idx, layer] += -logp[:-1].gather(1, targets[:, None]).mean() - ref_nll
+                    kl[v_idx, layer] += float(kl_pos.mean())
+                    top1[v_idx, layer] += float((logp.argmax(-1) == ref_top).double().mean())
+                    dnll[v_idx, layer] += float(-logp[:-1].gather(1, targets[:, None]).mean() - ref_nll)
                     if variant == "kv":
-                        cos = torch.nn.functional.cosine_similarity(attn_out[layer], ref_out[layer], dim=-1).double()
+                        cos = torch.nn.functional.cosine_similarity(attn_out[layer], ref_out[layer], dim=-1).double().cpu()
+                        kl_pos = kl_pos.cpu()
                         map_cos[layer] += torch.zeros(n_buckets, dtype=torch.float64).index_add(0, bucket, cos) / counts
                         map_kl[layer] += torch.zeros(n_buckets, dtype=torch.float64).index_add(0, bucket, kl_pos) / counts
                 if progress:

@@ -82,17 +82,48 @@ def fit(inputs: Inputs, cfg: SmoothConfig) -> StageResult:
     return StageResult({"smooth": lam}, meta)
 
 
+# the per-head norms before RoPE whose output is x_normed * (offset + weight) (transformers' source)
+NORM_WEIGHT_OFFSET = {"Gemma3RMSNorm": 1.0}
+
+
 def fold(model: torch.nn.Module, smooth: torch.Tensor, n_q_heads: int) -> None:
-    """Fold lambda into the projections of `model` in place (pass a copy): q_proj rows x lambda, k_proj rows /
-    lambda (biases too), so the model's own q.k is unchanged and its cache holds K / lambda."""
+    """Fold lambda into `model` in place (pass a copy), so the model's own q.k is unchanged and its cache holds
+    K / lambda: where the pre-RoPE keys are k_proj's output, q_proj rows x lambda and k_proj rows / lambda (biases
+    too); where a per-head norm follows the projection (Gemma 3's q_norm / k_norm, the keys just before RoPE), the
+    norms' gains instead -- scaling k_proj would be undone by the norm. A norm's gain is one [D] vector shared by
+    every head, so there lambda must be the same for every KV head of the layer (always with one KV head);
+    otherwise the fold is refused (the evaluation and the cache apply lambda per head and need no fold)."""
     n_layers, n_kv, d = smooth.shape
     group = n_q_heads // n_kv
     with torch.no_grad():
         for layer, block in enumerate(model.model.layers):
             attn = block.self_attn
+            k_norm, q_norm = getattr(attn, "k_norm", None), getattr(attn, "q_norm", None)
+            if k_norm is not None or q_norm is not None:
+                _fold_norms(layer, q_norm, k_norm, smooth[layer])
+                continue
             lam_k = smooth[layer].reshape(-1)                                    # [H_kv * D]
             lam_q = smooth[layer].repeat_interleave(group, dim=0).reshape(-1)    # [H_q * D]
             for proj, scale in ((attn.q_proj, lam_q), (attn.k_proj, 1 / lam_k)):
                 proj.weight.mul_(scale.to(proj.weight.dtype)[:, None])
                 if proj.bias is not None:
                     proj.bias.mul_(scale.to(proj.bias.dtype))
+
+
+def _fold_norms(layer: int, q_norm, k_norm, lam: torch.Tensor) -> None:
+    """lam [H_kv, D] into the gains of the per-head norms: gain_q x lambda, gain_k / lambda."""
+    if q_norm is None or k_norm is None:
+        raise InputError(f"smooth.fold: layer {layer} has a norm on only one of queries and keys; folding needs both "
+                         f"(q_norm and k_norm) or neither")
+    if not torch.equal(lam, lam[:1].expand_as(lam)):
+        raise InputError(f"smooth.fold: layer {layer}'s lambda differs between its {lam.shape[0]} KV heads, but its "
+                         f"q_norm / k_norm gains are one [D] vector shared by every head; a per-head lambda cannot be "
+                         f"folded into them (serve it through the cache, which divides each head by its own)")
+    for norm, scale in ((q_norm, lam[0]), (k_norm, 1 / lam[0])):
+        kind = type(norm).__name__
+        if kind not in NORM_WEIGHT_OFFSET:
+            raise InputError(f"smooth.fold: layer {layer}: norm {kind} is not one whose gain is known; supported: "
+                             f"{sorted(NORM_WEIGHT_OFFSET)}")
+        offset = NORM_WEIGHT_OFFSET[kind]
+        gain = (offset + norm.weight.double()) * scale.double()
+        norm.weight.copy_((gain - offset).to(norm.weight.dtype))

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from stages.base import InputError, StageResult, check_finite
-from stages.hooks import attention_layers, attention_override, attention_scores, forward_hooks, sdpa_attention
+from stages.hooks import (attention_layers, attention_override, attention_scores, forward_hooks, head_rows,
+                          key_module, model_device, query_module, sdpa_attention)
 
 
 @dataclass
@@ -40,12 +41,12 @@ class Inputs:
 class _Moments:
     """Running min / max / abs-max / sum / sum of squares over tokens, per (layer, head, channel)."""
 
-    def __init__(self, n_layers: int, n_heads: int, head_dim: int):
+    def __init__(self, n_layers: int, n_heads: int, head_dim: int, device: torch.device | str = "cpu"):
         shape = (n_layers, n_heads, head_dim)
-        self.min = torch.full(shape, float("inf"))
-        self.max = torch.full(shape, float("-inf"))
-        self.sum = torch.zeros(shape, dtype=torch.float64)
-        self.sumsq = torch.zeros(shape, dtype=torch.float64)
+        self.min = torch.full(shape, float("inf"), device=device)
+        self.max = torch.full(shape, float("-inf"), device=device)
+        self.sum = torch.zeros(shape, dtype=torch.float64, device=device)
+        self.sumsq = torch.zeros(shape, dtype=torch.float64, device=device)
         self.count = 0
 
     def update(self, layer: int, x: torch.Tensor) -> None:
@@ -65,22 +66,32 @@ class _Moments:
 
 def reservoir_slots(n_seen: int, n_new: int, size: int, gen: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm R for items n_seen .. n_seen+n_new-1 -> (slots, offsets in the batch); when two items of the
-    batch land on one slot only the later survives, as in the sequential algorithm."""
-    writes: dict[int, int] = {}
-    for i in range(n_new):
-        g = n_seen + i
-        r = g if g < size else int(gen.integers(0, g + 1))
-        if r < size:
-            writes[r] = i
-    slots = torch.tensor(list(writes.keys()), dtype=torch.int64)
-    return slots, torch.tensor(list(writes.values()), dtype=torch.int64)
+    batch land on one slot only the later survives, as in the sequential algorithm.
+
+    Vectorised, and bit-identical to the per-item loop (item g < size goes to slot g; item g >= size draws
+    r = gen.integers(0, g + 1) and is kept when r < size): one gen.integers call with the array of bounds draws
+    the same numbers as one call per item and leaves the generator in the same state. Slots come in the order
+    of their first write in the batch, each with the offset of its last write (the loop's dict order)."""
+    g = np.arange(n_seen, n_seen + n_new, dtype=np.int64)
+    r = g.copy()
+    drawn = g >= size  # a suffix of the batch: only these items draw, in order
+    if drawn.any():
+        r[drawn] = gen.integers(0, g[drawn] + 1)
+    kept = np.flatnonzero(r < size)                         # offsets of the items that write a slot
+    slot_of = r[kept]
+    _, first = np.unique(slot_of, return_index=True)        # first write of each slot (the dict's key order)
+    _, last_rev = np.unique(slot_of[::-1], return_index=True)
+    last = len(slot_of) - 1 - last_rev                      # last write of each slot (the survivor)
+    order = np.argsort(first, kind="stable")
+    return (torch.from_numpy(slot_of[first[order]].copy()),
+            torch.from_numpy(kept[last[order]].astype(np.int64)))
 
 
 def _rows_mask(mask: torch.Tensor | None, rows: torch.Tensor, t: int) -> torch.Tensor:
     """The causal mask restricted to the chosen query rows (an explicit mask if the model passed one)."""
     if mask is not None:
         return mask[:, :, rows]
-    allowed = rows[:, None] >= torch.arange(t)[None]
+    allowed = rows[:, None] >= torch.arange(t, device=rows.device)[None]
     return allowed[None, None]
 
 
@@ -94,25 +105,28 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
     n_first = min(cfg.n_first_positions, seq_len)
     top_k = min(cfg.down_top_k, seq_len)
     size = cfg.reservoir_size
-    k_pre, k_post, v_mom = (_Moments(n_layers, n_kv, d) for _ in range(3))
-    q_absmax = torch.zeros(n_layers, n_q, d)
-    q_sumsq = torch.zeros(n_layers, n_q, d, dtype=torch.float64)
-    v_tok = torch.zeros(4, n_layers, n_kv, dtype=torch.float64)  # sum absmax, max absmax, sum range, max range
-    first_mass = torch.zeros(n_layers, n_q, n_first, dtype=torch.float64)
-    res_k = torch.zeros(size, n_layers, n_kv, d)
-    res_v = torch.zeros(size, n_layers, n_kv, d)
+    # running state lives on the activations' device (the model's; under a device_map every layer's hook output
+    # is moved to it), results go back to CPU
+    dev = model_device(model)
+    k_pre, k_post, v_mom = (_Moments(n_layers, n_kv, d, dev) for _ in range(3))
+    q_absmax = torch.zeros(n_layers, n_q, d, device=dev)
+    q_sumsq = torch.zeros(n_layers, n_q, d, dtype=torch.float64, device=dev)
+    v_tok = torch.zeros(4, n_layers, n_kv, dtype=torch.float64, device=dev)  # sum/max absmax, sum/max range
+    first_mass = torch.zeros(n_layers, n_q, n_first, dtype=torch.float64, device=dev)
+    res_k = torch.zeros(size, n_layers, n_kv, d, device=dev)
+    res_v = torch.zeros(size, n_layers, n_kv, d, device=dev)
     res_pos = torch.full((size,), -1, dtype=torch.int64)
     res_sample = torch.full((size,), -1, dtype=torch.int64)
-    down_ratio = torch.zeros(n_samples, n_layers, top_k)
-    down_value = torch.zeros(n_samples, n_layers, top_k)
-    down_token = torch.zeros(n_samples, n_layers, top_k, dtype=torch.int64)
-    down_pos = torch.zeros(n_samples, n_layers, top_k, dtype=torch.int64)
-    down_median = torch.zeros(n_samples, n_layers)
+    down_ratio = torch.zeros(n_samples, n_layers, top_k, device=dev)
+    down_value = torch.zeros(n_samples, n_layers, top_k, device=dev)
+    down_token = torch.zeros(n_samples, n_layers, top_k, dtype=torch.int64, device=dev)
+    down_pos = torch.zeros(n_samples, n_layers, top_k, dtype=torch.int64, device=dev)
+    down_median = torch.zeros(n_samples, n_layers, device=dev)
     gen = np.random.default_rng(cfg.seed)
     state = {"sample": 0, "writes": [], "ids": None}
 
-    def rows(out: torch.Tensor) -> torch.Tensor:  # [1, T, H*D] -> [T, H, D]
-        return out[0].detach().float().reshape(out.shape[1], -1, d)
+    def rows(out: torch.Tensor, n_heads: int) -> torch.Tensor:  # -> [T, H, D] on the state's device
+        return head_rows(out, n_heads, d)[0].detach().to(dev, torch.float32)  # [1, T, H*D] or [1, H, T, D]
 
     def finite(stat: torch.Tensor, where: str) -> None:
         # amax/amin propagate NaN and Inf, so checking the small reduced tensor checks every entry
@@ -120,14 +134,14 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
 
     def make_hooks(layer: int, attn, mlp):
         def on_k(_m, _inp, out):
-            x = rows(out)
+            x = rows(out, n_kv)
             k_pre.update(layer, x)
-            finite(k_pre.max[layer] - k_pre.min[layer], f"layer {layer} k_proj output")
+            finite(k_pre.max[layer] - k_pre.min[layer], f"layer {layer} pre-RoPE key")
             slots, pos = state["writes"]
             res_k[slots, layer] = x[pos]
 
         def on_v(_m, _inp, out):
-            x = rows(out)
+            x = rows(out, n_kv)
             v_mom.update(layer, x)
             finite(v_mom.max[layer] - v_mom.min[layer], f"layer {layer} v_proj output")
             absmax, rng = x.abs().amax(-1), x.amax(-1) - x.amin(-1)  # [T, H]
@@ -139,13 +153,13 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
             res_v[slots, layer] = x[pos]
 
         def on_q(_m, _inp, out):
-            x = rows(out)
+            x = rows(out, n_q)
             q_absmax[layer] = torch.maximum(q_absmax[layer], x.abs().amax(0))
             q_sumsq[layer] += x.double().square().sum(0)
-            finite(q_absmax[layer], f"layer {layer} q_proj output")
+            finite(q_absmax[layer], f"layer {layer} pre-RoPE query")
 
         def on_down(_m, inp):
-            x = inp[0][0].detach().float()  # [T, intermediate]
+            x = inp[0][0].detach().to(dev, torch.float32)  # [T, intermediate]
             token_max = x.abs().amax(-1)  # [T]
             finite(token_max, f"layer {layer} down_proj input")
             median = token_max.median().clamp_min(1e-12)
@@ -155,33 +169,34 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
             down_value[s, layer], down_ratio[s, layer], down_pos[s, layer] = val, val / median, pos
             down_token[s, layer] = state["ids"][pos]
 
-        return [(attn.k_proj, on_k, False), (attn.v_proj, on_v, False), (attn.q_proj, on_q, False),
+        # pre-RoPE keys and queries: just before RoPE, after the key / query norm where there is one
+        return [(key_module(attn), on_k, False), (attn.v_proj, on_v, False), (query_module(attn), on_q, False),
                 (mlp.down_proj, on_down, True)]
 
     def traced_attention(module, query, key, value, mask, scaling):
         layer = module.layer_idx
-        k_post.update(layer, key[0].transpose(0, 1).float())
+        k_post.update(layer, key[0].transpose(0, 1).to(dev, torch.float32))
         finite(k_post.max[layer] - k_post.min[layer], f"layer {layer} post-RoPE key")
         # attention mass on the first positions, estimated on every `stride`-th query row (all rows: stride 1)
         t = key.shape[2]
-        rows_q = torch.arange(t - 1, -1, -cfg.mass_query_stride).flip(0)
+        rows_q = torch.arange(t - 1, -1, -cfg.mass_query_stride, device=key.device).flip(0)
         scores = attention_scores(query[:, :, rows_q], key, _rows_mask(mask, rows_q, t), scaling)
         probs = torch.softmax(scores, dim=-1)[0, ..., :n_first]  # [H_kv, G, rows, n_first]
-        readers = (rows_q[:, None] >= torch.arange(n_first)[None]).to(torch.float64)  # [rows, n_first]
-        mass = probs.double().sum(-2) / readers.sum(0).clamp_min(1)
-        first_mass[layer] += mass.reshape(-1, n_first)
+        readers = (rows_q[:, None] >= torch.arange(n_first, device=key.device)[None]).to(torch.float64)
+        mass = probs.double().sum(-2) / readers.sum(0).clamp_min(1)  # readers: [rows, n_first]
+        first_mass[layer] += mass.reshape(-1, n_first).to(dev)
         return sdpa_attention(query, key, value, mask, scaling)
 
     layers = model.model.layers
     attns = attention_layers(model)
     hooks = [h for i, layer in enumerate(layers) for h in make_hooks(i, attns[i], layer.mlp)]
-    device = next(model.parameters()).device
     with torch.no_grad(), forward_hooks(hooks), attention_override(model, traced_attention):
         for s in range(n_samples):
-            state["sample"], state["ids"] = s, windows[s]
-            state["writes"] = slots, pos = reservoir_slots(s * seq_len, seq_len, size, gen)
+            state["sample"], state["ids"] = s, windows[s].to(dev)
+            slots, pos = reservoir_slots(s * seq_len, seq_len, size, gen)
             res_pos[slots], res_sample[slots] = pos, s
-            model.model(windows[s : s + 1].to(device), use_cache=False)  # no lm_head: traces need no logits
+            state["writes"] = slots.to(dev), pos.to(dev)
+            model.model(windows[s : s + 1].to(dev), use_cache=False)  # no lm_head: traces need no logits
             if progress:
                 progress(1)
 
@@ -199,4 +214,4 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
         "down_median": down_median,
     }
     meta = {"n_tokens": n_tokens, "n_samples": n_samples, "seq_len": seq_len, "reservoir_rows": filled}
-    return StageResult(tensors=tensors, meta=meta)
+    return StageResult(tensors={name: t.cpu() for name, t in tensors.items()}, meta=meta)

@@ -140,3 +140,14 @@ def forge():
         return path
 
     return rewrite
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    """A random 4-layer Gemma 3 (conf/model/tiny-gemma3.yaml): q/k norms before RoPE, local layers 0 and 2 (sliding
+    window 16, RoPE base 1000) and global layers 1 and 3 (base 10000), one KV head, head_dim 32."""
+    from pipeline.config import ModelConfig, TinyModelConfig
+    from pipeline.model import load_model
+    return load_model(ModelConfig(name="tiny-gemma3", source="tiny", tiny=TinyModelConfig(
+        arch="gemma3", n_layers=4, hidden_size=64, n_q_heads=2, n_kv_heads=1, head_dim=32, sliding_window=16,
+        full_every=2)))

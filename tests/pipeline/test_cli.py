@@ -48,8 +48,8 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("quant.key.bits=5", "quant.key.bits must be one of (2, 3, 4, 8), got 5"),       # an invalid recipe
     ("eval.recipes=[nope]", "quant recipe must be one of ["),
     ("fisher.enabled=false", "Key 'enabled' not in 'FisherConfig'"),                 # the field that did nothing
-    ("+fisher.enabled=false", "fisher.enabled (fisher takes no keys)"),             # Hydra adds it; the schema refuses
-    ("+model.bogus=1", "model.bogus (model takes name, source, path,"),
+    ("+fisher.enabled=false", "fisher.enabled (fisher takes recompute)"),             # Hydra adds it; the schema refuses
+    ("+model.bogus=1", "model.bogus (model takes name, source, embedded, path,"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, pattern):
     out = _run(["run", *TINY, override], tmp_path)

@@ -262,3 +262,28 @@ def test_rotated_recipes_are_evaluation_only():
     assert not recipe.is_exportable_recipe(q)
     with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only"):
         recipe.check_exportable_recipe(q)
+
+
+@pytest.mark.parametrize("recompute", ["always"])
+def test_fisher_with_layers_recomputed_equals_fisher_with_layers_held(tiny, tiny_windows, recompute):
+    """Activation checkpointing (fisher.recompute) changes memory, not the gradients."""
+    from stages import fisher, traces
+
+    tr = traces.fit(traces.Inputs(tiny.model, tiny.spec, tiny_windows.calib), traces.TracesConfig(reservoir_size=64))
+    inputs = fisher.Inputs(tiny.model, tiny.spec, tiny_windows.calib, tr.tensors["res_sample"], tr.tensors["res_pos"])
+    held = fisher.fit(inputs, fisher.FisherConfig(recompute="never"))
+    again = fisher.fit(inputs, fisher.FisherConfig(recompute=recompute))
+    assert held.tensors["fisher_k"].abs().sum() > 0
+    for name in ("fisher_k", "fisher_v"):
+        torch.testing.assert_close(again.tensors[name], held.tensors[name], rtol=1e-6, atol=0)
+    assert again.meta["mean_token_nll"] == pytest.approx(held.meta["mean_token_nll"], rel=1e-9)
+    assert "forward" not in vars(tiny.model.model.layers[0])  # the layers' own forward is back
+
+
+def test_fisher_recompute_is_refused_by_name(tiny, tiny_windows):
+    from stages import fisher
+    from stages.base import InputError
+
+    inputs = fisher.Inputs(tiny.model, tiny.spec, tiny_windows.calib, torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(InputError, match=r"fisher.recompute must be one of \('auto', 'always', 'never'\), got 'yes'"):
+        fisher.fit(inputs, fisher.FisherConfig(recompute="yes"))
