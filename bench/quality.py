@@ -12,6 +12,7 @@ python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samp
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -151,12 +152,32 @@ def run_protocol(names: list[str], args: argparse.Namespace, cfg: RunConfig | No
         return run_pipeline(cfg, Path(tmp), log=print, show_progress=False)
 
 
+def library_recipes_served(names: list[str], model: str) -> list[str]:
+    """The default recipe list without the library caches the library refuses for this model (transformers'
+    QuantizedCache on sliding-window layers), each dropped with a line saying why; an explicit --recipes is
+    passed through, and the pipeline refuses it by name."""
+    from pipeline.model import source_directory
+    folder = source_directory(load_model_config(model))
+    if folder is None or not (folder / "config.json").is_file():
+        return names
+    types = json.loads((folder / "config.json").read_text()).get("layer_types") or []
+    if not any(t == "sliding_attention" for t in types):
+        return names
+    dropped = [n for n in names if load_recipe(n).engine.library]
+    for n in dropped:
+        print(f"{n}: not run -- transformers' QuantizedCache refuses models with sliding-window layers "
+              f"({sum(t == 'sliding_attention' for t in types)} of {len(types)} in {model})")
+    return [n for n in names if n not in dropped]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_protocol_args(ap)
     ap.add_argument("--recipes", default=",".join(RECIPES))
     args = ap.parse_args()
     names = args.recipes.split(",")
+    if args.recipes == ap.get_default("recipes"):
+        names = library_recipes_served(names, args.model)
     out = run_protocol(names, args)
     summary = out["summary"]
     recipes = summary["evaluation"]["recipes"]

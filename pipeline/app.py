@@ -22,8 +22,8 @@ from pipeline.export import CHECKPOINT_DIR, export, servable, write_vllm_checkpo
 from exporters.files import atomic_write_json
 from pipeline.model import LoadedModel, load_model, source_directory
 from pipeline.runner import Runner, Stage, peak_rss_mb
-from stages import (codebooks, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe, smooth_attention,
-                    traces)
+from stages import (codebooks, engine_cache, evaluate, fisher, key_scales, outliers, prefix_tokens, recipe,
+                    smooth_attention, traces)
 from stages.base import StageResult
 from stages.calibration_rows import block_mean, rows_for
 from stages.hooks import model_rotaries
@@ -219,6 +219,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     start = time.perf_counter()
     recipes = check_recipes(cfg)  # refuse a bad recipe before anything loads
     lm = load_model(cfg.model)
+    for q in recipes:
+        if q.engine.library:
+            engine_cache.check_model(q.name, lm.spec.name, lm.spec.layer_types)
     windows = build_windows(cfg.data, lm.tokenizer)
     if cfg.gate.enabled and not cfg.eval.enabled:  # the gate judges the evaluation: never skip it silently
         raise UserError("gate.enabled=true needs eval.enabled=true (the gate judges the evaluation's perplexity "

@@ -58,6 +58,21 @@ class EngineCacheConfig:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+def supports(layer_types) -> bool:
+    """Whether the library's cache serves a model with these layer types (ModelSpec.layer_types; () = all full):
+    transformers' QuantizedCache refuses any model with sliding-window layers (Gemma 3, Mistral with a window)."""
+    return "sliding" not in layer_types
+
+
+def check_model(recipe: str, model: str, layer_types) -> None:
+    """Refuse, before any stage runs, a library cache the library itself would refuse for this model."""
+    if not supports(layer_types):
+        raise InputError(f"recipe {recipe}: transformers' QuantizedCache serves only models whose layers are all "
+                         f"full attention, and model {model} has sliding-window layers "
+                         f"({sum(t == 'sliding' for t in layer_types)} of {len(layer_types)}); transformers refuses "
+                         f"it too -- drop {recipe} from eval.recipes for this model")
+
+
 def quantized_cache(engine: dict, model_config):
     """The library's own cache object for one sequence (a fresh one per evaluation window)."""
     from transformers.cache_utils import QuantizedCache

@@ -121,3 +121,19 @@ def test_gemma3_pipeline_end_to_end(tmp_path, tiny_gemma3):
     broken["model"]["attention"]["layer_types"] = ["full"] * 4
     with pytest.raises(mf.ConsistencyError, match=r"at least one 'sliding'"):
         mf.check_fields(broken)
+
+
+def test_a_library_cache_the_library_refuses_is_refused_before_any_stage(tmp_path, tiny_gemma3):
+    """transformers' QuantizedCache refuses models with sliding-window layers; so does the run, by recipe name,
+    before any stage runs and without writing a run folder."""
+    from pipeline.app import run_pipeline
+    from stages.base import InputError
+
+    cfg = RunConfig(model=_conf("tiny-gemma3"), data=DataConfig(n_samples=2, seq_len=48, eval_n_samples=1,
+                                                                 eval_seq_len=48),
+                    eval=EvalConfig(recipes=["fp16", "hf-hqq-4"]), cache_dir=str(tmp_path / "cache"))
+    cfg.tracking.enabled = False
+    with pytest.raises(InputError, match=r"recipe hf-hqq-4: transformers' QuantizedCache serves only "
+                                                   r"models whose layers are all full attention.*2 of 4"):
+        run_pipeline(cfg, tmp_path / "run", log=lambda _m: None, show_progress=False)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()
