@@ -12,7 +12,6 @@ python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samp
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -154,19 +153,23 @@ def run_protocol(names: list[str], args: argparse.Namespace, cfg: RunConfig | No
 
 def library_recipes_served(names: list[str], model: str) -> list[str]:
     """The default recipe list without the library caches the library refuses for this model (transformers'
-    QuantizedCache on sliding-window layers), each dropped with a line saying why; an explicit --recipes is
-    passed through, and the pipeline refuses it by name."""
+    QuantizedCache on sliding-window layers: stages.engine_cache.supports), each dropped with a line saying why;
+    an explicit --recipes is passed through, and the pipeline refuses it by name."""
+    from transformers import AutoConfig
+
     from pipeline.model import source_directory
+    from stages.engine_cache import supports
+    from stages.hooks import layer_windows
     folder = source_directory(load_model_config(model))
     if folder is None or not (folder / "config.json").is_file():
         return names
-    types = json.loads((folder / "config.json").read_text()).get("layer_types") or []
-    if not any(t == "sliding_attention" for t in types):
+    types = ["full" if w is None else "sliding" for w in layer_windows(AutoConfig.from_pretrained(folder))]
+    if supports(types):
         return names
     dropped = [n for n in names if load_recipe(n).engine.library]
     for n in dropped:
         print(f"{n}: not run -- transformers' QuantizedCache refuses models with sliding-window layers "
-              f"({sum(t == 'sliding_attention' for t in types)} of {len(types)} in {model})")
+              f"({types.count('sliding')} of {len(types)} in {model})")
     return [n for n in names if n not in dropped]
 
 

@@ -50,14 +50,14 @@ def summed_loss_grad(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     """The summed next-token cross-entropy of final hidden states [1, T, hidden] against targets [T - 1] (the
     window's ids shifted by one; summed, so gradients do not shrink with T) and its gradient with respect to the
     hidden states, taken chunk by chunk of positions: one chunk of float32 logits at a time."""
-    leaf = hidden.requires_grad_(True)
     grad = torch.zeros_like(hidden)
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     step = logit_rows(model.config.vocab_size)
     for c in range(0, targets.numel(), step):
-        logits = lm_logits(model, leaf[0, c : c + step])[: targets[c : c + step].numel()]
-        loss = torch.nn.functional.cross_entropy(logits, targets[c : c + step], reduction="sum")
-        grad += torch.autograd.grad(loss, leaf)[0]
+        tgt = targets[c : c + step]
+        part = hidden[0, c : c + tgt.numel()].detach().requires_grad_(True)  # this chunk's positions only
+        loss = torch.nn.functional.cross_entropy(lm_logits(model, part), tgt, reduction="sum")
+        grad[0, c : c + tgt.numel()] = torch.autograd.grad(loss, part)[0]
         total += loss.detach().double()
     return total, grad
 
