@@ -44,7 +44,7 @@ def _outliers(b: int, t: int, per_row: int, g: torch.Generator, device) -> dict:
 def make_cache(fmt: str, b: int, t: int, device, g: torch.Generator):
     """-> DecodeInputs over a random stored cache of t tokens (all encoded but a sink row for nuq)."""
     from exporters.codec import TensorPolicy
-    from runtime_check.cache import StoredBlock
+    from exporters.layout import StoredBlock
     from runtime_check.inputs import DecodeInputs
 
     shape = (b, H_KV, t, D)

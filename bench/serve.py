@@ -30,12 +30,13 @@ from exporters.native import load_artifact
 from pipeline.config import ModelConfig
 from pipeline.data import read_text, tokenize
 from pipeline.model import load_model
-from runtime_check.cache import ArtifactCache, generate
+from runtime_check.blockwise import generate
+from runtime_check.cache import ArtifactCache
 from stages.probes import passkey_prompt
 
 def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "blockwise") -> torch.Tensor:
     """n greedy new tokens (exactly n: EOS cannot end one run early) through model.generate: with a full-precision
-    DynamicCache (policy None) or the artifact's cache served with `attention` (runtime_check.cache.generate)."""
+    DynamicCache (policy None) or the artifact's cache served with `attention` (runtime_check.blockwise.generate)."""
     kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():
         if policy is None:

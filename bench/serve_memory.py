@@ -304,7 +304,7 @@ def quality(args, lm, policy) -> dict:
 
 
 def passkey(args, lm, policy) -> dict:
-    from runtime_check.cache import generate
+    from runtime_check.blockwise import generate
     from stages.probes import passkey_prompt
 
     model, tok = lm.model, lm.tokenizer

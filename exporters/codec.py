@@ -24,7 +24,8 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
 
 Evaluation-only formats: vLLM 0.32's calibration-free caches (docs/peer-formats.md). The codec encodes and
 sizes them so they are evaluated like our recipes; the manifest, the Triton kernel and the serving cache do not
-take them (EXPORT_AXES), and a run refuses them as its own recipe. All per (token, head) over the D channels:
+take them (their Format.export_axes is empty), and a run refuses them as its own recipe. All per (token, head)
+over the D channels:
 - int_sym (vLLM int8_per_token_head; b = 4 or 8, qmax = 2^(b-1) - 1): s = max(amax / qmax, 1e-6) in fp32,
     code = clamp(round_half_away(x * (1 / s)), -qmax - 1, qmax) (int8), x^ = code * s.
 - rht_int (vLLM int4_per_token_head; b = 4): y = fp16(H_b (d * x)) (exporters/rotation.py: unnormalized
@@ -40,28 +41,25 @@ take them (EXPORT_AXES), and a run refuses them as its own recipe. All per (toke
     code = clamp(floor((x - min) / s + 0.5), 0, 2^b - 1) (round half up), x^ = code * fp16(s) + fp16(min): the
     codes use the fp32 scale and min, decode their fp16 copies (unlike `uniform`, which codes with the fp16 ones
     and rounds half to even).
+
+Every format is one registered object, a `Format` row of FORMATS (at the end of this module): its axes, bits,
+whether and on which axes it exports, whether it takes sparse outliers or a rotation, its zero point, its
+row metadata, its encode / decode and its stored size. Validation, the size model and the manifest read those
+rows; adding a format is adding one row and its functions.
 """
 from __future__ import annotations
 
 import dataclasses
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from exporters import lloyd_max, rotation
+from exporters.errors import InputError
 
-FORMATS = ("fp16", "uniform", "nuq", "fp8", "int_sym", "rht_int", "turbo_mse", "turbo_uniform")
-AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"),
-        "fp8": ("tensor", "head", "token", "unscaled"), "int_sym": ("token",), "rht_int": ("token",),
-        "turbo_mse": ("token",), "turbo_uniform": ("token",)}
-# what the artifact (manifest), the Triton kernel and the serving cache take; the rest is evaluation-only
-EXPORT_AXES = {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"),
-               "fp8": ("tensor", "head")}
-ALLOWED_BITS = (2, 3, 4, 8)
-FORMAT_BITS = {"uniform": ALLOWED_BITS, "nuq": ALLOWED_BITS, "int_sym": (4, 8), "rht_int": (4,),
-               "turbo_mse": (3, 4), "turbo_uniform": (3, 4)}   # fp16 and fp8 store their own width
-OUTLIER_FORMATS = ("uniform", "nuq")                           # the formats with sparse outliers
+ALLOWED_BITS = (2, 3, 4, 8)   # the code widths of uniform and nuq (their Format.bits)
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 FP8_ROUNDINGS = ("nearest", "toward_zero")
 MIN_SCALE = 1e-6          # vLLM's floor on per-token-head scales (int_sym, fp8 axis token, rht_int)
@@ -74,10 +72,9 @@ CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
 # rotation of each (token, head) row before quantizing (our formats only): evaluation-only, an experiment the
 # artifact does not carry yet (exporters/rotation.py rotate_orthonormal)
 ROTATIONS = ("none", "hadamard")
-ROTATION_FORMATS = ("uniform", "nuq")
 
 
-class CodecError(ValueError):
+class CodecError(InputError):
     """A policy or its calibrated tensors are invalid; the message names the field and what was given."""
 
 
@@ -103,30 +100,33 @@ class TensorPolicy:
     def validate_config(self, where: str = "policy") -> None:
         """The configured fields alone (no calibrated tensors): what a recipe can be refused for before any stage."""
         if self.format not in FORMATS:
-            raise CodecError(f"{where}.format must be one of {FORMATS}, got {self.format!r}")
-        if self.axis not in AXES[self.format]:
-            raise CodecError(f"{where}.axis for format {self.format} must be one of {AXES[self.format]}, got {self.axis!r}")
-        if self.format in FORMAT_BITS and self.bits not in FORMAT_BITS[self.format]:
-            raise CodecError(f"{where}.bits must be one of {FORMAT_BITS[self.format]}, got {self.bits} "
-                             f"(format {self.format})")
+            raise CodecError(f"{where}.format must be one of {tuple(FORMATS)}, got {self.format!r}")
+        fmt = FORMATS[self.format]
+        if self.axis not in fmt.axes:
+            raise CodecError(f"{where}.axis for format {self.format} must be one of {fmt.axes}, got {self.axis!r}")
+        if self.bits not in fmt.bits:
+            raise CodecError(f"{where}.bits must be one of {fmt.bits}, got {self.bits} (format {self.format})")
         if not 0.0 <= self.outlier_fraction <= MAX_OUTLIER_FRACTION:
             raise CodecError(f"{where}.outlier_fraction must be in [0, {MAX_OUTLIER_FRACTION}], got {self.outlier_fraction}")
-        if self.outlier_fraction > 0 and self.format not in OUTLIER_FORMATS:
+        if self.outlier_fraction > 0 and not fmt.outliers:
             raise CodecError(f"{where}.outlier_fraction: format {self.format} stores no sparse outliers (only "
-                             f"{OUTLIER_FORMATS} do); allowed 0, got {self.outlier_fraction}")
-        if self.norm_correction and self.format != "turbo_mse":
-            raise CodecError(f"{where}.norm_correction applies to format turbo_mse only, got format {self.format}")
+                             f"{formats_where(lambda f: f.outliers)} do); allowed 0, got {self.outlier_fraction}")
+        if self.norm_correction and "norm_correction" not in fmt.settings:
+            raise CodecError(f"{where}.norm_correction applies to format {_setting_of('norm_correction')} only, got "
+                             f"format {self.format}")
         if self.rotation not in ROTATIONS:
             raise CodecError(f"{where}.rotation must be one of {ROTATIONS}, got {self.rotation!r}")
-        if self.rotation != "none" and self.format not in ROTATION_FORMATS:
-            raise CodecError(f"{where}.rotation applies to formats {ROTATION_FORMATS} only, got format {self.format}")
-        if self.format == "fp8" and self.fp8_dtype not in FP8:
+        if self.rotation != "none" and not fmt.rotation:
+            raise CodecError(f"{where}.rotation applies to formats {formats_where(lambda f: f.rotation)} only, got "
+                             f"format {self.format}")
+        if "fp8_dtype" in fmt.settings and self.fp8_dtype not in FP8:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
         if self.fp8_rounding not in FP8_ROUNDINGS:
             raise CodecError(f"{where}.fp8_rounding must be one of {FP8_ROUNDINGS}, got {self.fp8_rounding!r}")
-        if self.fp8_rounding != "nearest" and self.format != "fp8":
-            raise CodecError(f"{where}.fp8_rounding applies to format fp8 only, got format {self.format}")
-        if self.format == "uniform" and self.axis == "channel" and self.group_size < 1:
+        if self.fp8_rounding != "nearest" and "fp8_rounding" not in fmt.settings:
+            raise CodecError(f"{where}.fp8_rounding applies to format {_setting_of('fp8_rounding')} only, got "
+                             f"format {self.format}")
+        if self.is_grouped and self.group_size < 1:
             raise CodecError(f"{where}.group_size must be >= 1 for per-channel uniform, got {self.group_size}")
 
     def validate(self, where: str = "policy") -> None:
@@ -158,15 +158,24 @@ class TensorPolicy:
         return self.format == "fp16"
 
     @property
+    def is_grouped(self) -> bool:
+        """Scales per group of group_size tokens (uniform per channel, KIVI keys)."""
+        return self.format in FORMATS and self.axis in FORMATS[self.format].group_axes
+
+    @property
     def is_exportable(self) -> bool:
-        return (self.axis in EXPORT_AXES.get(self.format, ()) and self.rotation == "none"
+        return (self.axis in _export_axes(self.format) and self.rotation == "none"
                 and self.fp8_rounding == "nearest")
+
+
+def _export_axes(name: str) -> tuple[str, ...]:
+    return FORMATS[name].export_axes if name in FORMATS else ()
 
 
 def check_exportable(p: TensorPolicy, where: str) -> None:
     """Refuse an evaluation-only format (or rotation) where a policy is to be exported or served."""
-    allowed = "; ".join(f"{f} (axis {'|'.join(a)})" for f, a in EXPORT_AXES.items())
-    if p.axis not in EXPORT_AXES.get(p.format, ()):
+    allowed = "; ".join(f"{f.name} (axis {'|'.join(f.export_axes)})" for f in FORMATS.values() if f.exports)
+    if p.axis not in _export_axes(p.format):
         raise CodecError(f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own "
                          f"format): the artifact, its Triton kernel and the serving cache take {allowed}; got "
                          f"format={p.format!r}, axis={p.axis!r}")
@@ -281,30 +290,71 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
     """x: [B, H, T, D] float -> Encoded. Bounds and scales never divide by zero (constant rows encode exactly)."""
     p.validate(where)
     _check_input(x, where)
-    x = x.float()
-    shape = tuple(x.shape)
-    if p.format == "fp16":
-        return Encoded(shape, dense=x.to(torch.float16))
-    if p.format == "fp8":
-        return _encode_fp8(x, p)
-    if p.format in _PEER_CODECS:
-        return _PEER_CODECS[p.format][0](x, p, where)
+    return FORMATS[p.format].encode(x.float(), p, where)
+
+
+def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """Encoded -> [B, H, T, D] float32."""
+    return FORMATS[p.format].decode(e, p)
+
+
+def fake_quant(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> tuple[torch.Tensor, Encoded]:
+    e = encode(x, p, where)
+    return decode(e, p).to(x.dtype), e
+
+
+# ---- fp16, uniform and nuq -----------------------------------------------------------------------------------
+
+def _encode_fp16(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    return Encoded(tuple(x.shape), dense=x.to(torch.float16))
+
+
+def _decode_fp16(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    return e.dense.float()
+
+
+def _split_outliers(x: torch.Tensor, p: TensorPolicy):
+    """uniform / nuq: the row rotation, then the sparse outliers split off ->
+    (inliers clamped to the bounds [B, H, T, D], outlier index [n, 4] | None, outlier value [n] fp16 | None)."""
     if p.rotation == "hadamard":  # everything below (outliers, scales, codes) lives in the rotated space
         x = rotation.rotate_orthonormal(x)
-    inlier, out_idx, out_val = x, None, None
-    if p.outlier_fraction > 0:
-        if p.axis == "channel":
-            lo, hi = p.lower.float()[None, :, None, :], p.upper.float()[None, :, None, :]
-        else:
-            lo, hi = token_outlier_bounds(x, p.outlier_fraction)
-        is_out = (x < lo) | (x > hi)
-        out_idx = is_out.nonzero()
-        out_val = x[is_out].to(torch.float16)
-        inlier = torch.minimum(torch.maximum(x, lo), hi)
-    if p.format == "uniform":
-        codes, scale, zero = _uniform(inlier, p)
-        return Encoded(shape, codes=codes, scale=scale, zero=zero, outlier_index=out_idx, outlier_value=out_val)
-    # nuq
+    if p.outlier_fraction <= 0:
+        return x, None, None
+    if p.axis == "channel":
+        lo, hi = p.lower.float()[None, :, None, :], p.upper.float()[None, :, None, :]
+    else:
+        lo, hi = token_outlier_bounds(x, p.outlier_fraction)
+    is_out = (x < lo) | (x > hi)
+    return torch.minimum(torch.maximum(x, lo), hi), is_out.nonzero(), x[is_out].to(torch.float16)
+
+
+def _restore_outliers(x: torch.Tensor, e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """uniform / nuq decode: the exact outliers back in place, then the rotation undone."""
+    if e.n_outliers:
+        b, h, tt, d = e.outlier_index.unbind(1)
+        x = x.index_put((b, h, tt, d), e.outlier_value.float())
+    if p.rotation == "hadamard":
+        x = rotation.unrotate_orthonormal(x)
+    return x
+
+
+def _encode_uniform(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    inlier, out_idx, out_val = _split_outliers(x, p)
+    codes, scale, zero = _uniform(inlier, p)
+    return Encoded(tuple(x.shape), codes=codes, scale=scale, zero=zero, outlier_index=out_idx, outlier_value=out_val)
+
+
+def _decode_uniform(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    t = e.shape[2]
+    if p.axis == "token":
+        x = e.codes.float() * e.scale + e.zero
+    else:
+        x = e.codes.float() * _expand_groups(e.scale, t, p.group_size) + _expand_groups(e.zero, t, p.group_size)
+    return _restore_outliers(x, e, p)
+
+
+def _encode_nuq(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    inlier, out_idx, out_val = _split_outliers(x, p)
     if p.axis == "channel":
         zero, rng = p.zero.float()[None, :, None, :], p.range.float()[None, :, None, :]
     else:
@@ -314,47 +364,22 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
     codes = nearest_level(xn, p.codebook.float())
     scale = rng if p.axis == "token" else None
     zero_out = zero if p.axis == "token" else None
-    return Encoded(shape, codes=codes, scale=scale, zero=zero_out, outlier_index=out_idx, outlier_value=out_val)
+    return Encoded(tuple(x.shape), codes=codes, scale=scale, zero=zero_out, outlier_index=out_idx,
+                   outlier_value=out_val)
 
 
-def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
-    """Encoded -> [B, H, T, D] float32."""
-    if p.format == "fp16":
-        return e.dense.float()
-    if p.format == "fp8":
-        if p.axis == "unscaled":
-            return e.dense.float()
-        return e.dense.float() * (e.scale if p.axis == "token" else _fp8_scale(p, e.shape[1]))
-    if p.format in _PEER_CODECS:
-        return _PEER_CODECS[p.format][1](e, p)
-    t = e.shape[2]
-    if p.format == "uniform":
-        if p.axis == "token":
-            x = e.codes.float() * e.scale + e.zero
-        else:
-            x = e.codes.float() * _expand_groups(e.scale, t, p.group_size) + _expand_groups(e.zero, t, p.group_size)
+def _decode_nuq(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    levels = p.codebook.float()[e.codes.long()]
+    if p.axis == "channel":
+        x = levels * p.range.float()[None, :, None, :] + p.zero.float()[None, :, None, :]
     else:
-        levels = p.codebook.float()[e.codes.long()]
-        if p.axis == "channel":
-            x = levels * p.range.float()[None, :, None, :] + p.zero.float()[None, :, None, :]
-        else:
-            x = levels * e.scale + e.zero
-    if e.n_outliers:
-        b, h, tt, d = e.outlier_index.unbind(1)
-        x = x.index_put((b, h, tt, d), e.outlier_value.float())
-    if p.rotation == "hadamard":
-        x = rotation.unrotate_orthonormal(x)
-    return x
-
-
-def fake_quant(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> tuple[torch.Tensor, Encoded]:
-    e = encode(x, p, where)
-    return decode(e, p).to(x.dtype), e
+        x = levels * e.scale + e.zero
+    return _restore_outliers(x, e, p)
 
 
 # ---- fp8 and the evaluation-only formats (vLLM 0.32) --------------------------------------------------------
 
-def _encode_fp8(x: torch.Tensor, p: TensorPolicy) -> Encoded:
+def _encode_fp8(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
     dtype, fmax = FP8[p.fp8_dtype]
     if p.axis == "unscaled":
         # vLLM casts the raw key in Triton (triton_turboquant_store.py:188-194) with no clamp; what that cast does
@@ -367,6 +392,12 @@ def _encode_fp8(x: torch.Tensor, p: TensorPolicy) -> Encoded:
     s = _fp8_scale(p, x.shape[1])
     y = (x / s).clamp(-fmax, fmax)
     return Encoded(tuple(x.shape), dense=fp8_toward_zero(y, dtype) if p.fp8_rounding == "toward_zero" else y.to(dtype))
+
+
+def _decode_fp8(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    if p.axis == "unscaled":
+        return e.dense.float()
+    return e.dense.float() * (e.scale if p.axis == "token" else _fp8_scale(p, e.shape[1]))
 
 
 def fp8_toward_zero(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -465,11 +496,6 @@ def _decode_turbo_uniform(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     return e.codes.float() * e.scale.float() + e.zero.float()
 
 
-_PEER_CODECS = {"int_sym": (_encode_int_sym, _decode_int_sym), "rht_int": (_encode_rht_int, _decode_rht_int),
-                "turbo_mse": (_encode_turbo_mse, _decode_turbo_mse),
-                "turbo_uniform": (_encode_turbo_uniform, _decode_turbo_uniform)}
-
-
 def _fp8_scale(p: TensorPolicy, n_heads: int) -> torch.Tensor:
     s = p.fp8_scale.float()
     if p.axis == "head":
@@ -537,12 +563,6 @@ SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_COUNT_BITS = 16, 16, 16
 SCALE_BITS = 16    # per-token / per-group scales and zero-points (fp16)
 STATIC_BITS = 32   # per-layer calibrated tensors, stored float32 in the artifact
 FP32_SCALE_BITS = 32   # vLLM's per-(token, head) fp32 scale (int_sym, fp8 axis token, rht_int with its zero point)
-# bits stored beside each (token, head) row's codes, by format (uniform / nuq: see row_meta_bits)
-ROW_META_BITS = {"int_sym": FP32_SCALE_BITS, "rht_int": FP32_SCALE_BITS,
-                 "turbo_mse": SCALE_BITS,            # the fp16 norm
-                 "turbo_uniform": 2 * SCALE_BITS}    # fp16 scale + fp16 min
-
-
 def full_precision_bits(b: int, h: int, t: int, d: int) -> int:
     """t rows of [B, H, D] held in fp16."""
     return b * h * t * d * FULL_PRECISION_BITS
@@ -555,11 +575,7 @@ def code_row_bits(p: TensorPolicy, d: int) -> int:
 
 def row_meta_bits(p: TensorPolicy) -> int:
     """Bits stored per (token, head) row beside its codes or fp8 values: scales, zero-points, norms."""
-    if p.format == "fp8":
-        return FP32_SCALE_BITS if p.axis == "token" else 0
-    if p.format in ROW_META_BITS:
-        return ROW_META_BITS[p.format]
-    return 2 * SCALE_BITS if p.format in ("uniform", "nuq") and p.axis == "token" else 0
+    return FORMATS[p.format].row_meta_bits(p)
 
 
 def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None = None) -> int:
@@ -569,21 +585,55 @@ def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | 
     (uniform, axis channel). n_groups: scale groups of a per-channel uniform tensor; by default
     ceil(t / group_size), a partial last group included (what encode produces; the cache only ever stores whole
     groups)."""
-    if p.format == "fp16":
-        return full_precision_bits(b, h, t, d)
-    if p.format == "fp8":
-        return b * h * t * (d * FP8_BITS + row_meta_bits(p))
+    return FORMATS[p.format].dense_bits(p, b, h, t, d, n_groups)
+
+
+def _fp16_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None) -> int:
+    return full_precision_bits(b, h, t, d)
+
+
+def _fp8_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None) -> int:
+    return b * h * t * (d * FP8_BITS + row_meta_bits(p))
+
+
+def _code_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None) -> int:
+    """Packed codes and their per-row metadata, plus the per-group scales and zero-points of a grouped policy."""
     bits = b * h * t * (code_row_bits(p, d) + row_meta_bits(p))
-    if p.format == "uniform" and p.axis == "channel":
+    if p.is_grouped:
         groups = -(-t // p.group_size) if n_groups is None else n_groups
         bits += b * h * groups * d * 2 * SCALE_BITS
     return bits
 
 
+def _no_row_meta(p: TensorPolicy) -> int:
+    return 0
+
+
+def _token_scale_and_zero(p: TensorPolicy) -> int:
+    """uniform / nuq: an fp16 scale and zero-point per (token, head) row for axis token; per channel: none."""
+    return 2 * SCALE_BITS if p.axis == "token" else 0
+
+
+def _fp8_row_meta(p: TensorPolicy) -> int:
+    return FP32_SCALE_BITS if p.axis == "token" else 0
+
+
+def _fp32_scale(p: TensorPolicy) -> int:      # int_sym; rht_int (its zero point rides in the scale's low bits)
+    return FP32_SCALE_BITS
+
+
+def _fp16_norm(p: TensorPolicy) -> int:       # turbo_mse
+    return SCALE_BITS
+
+
+def _fp16_scale_and_min(p: TensorPolicy) -> int:   # turbo_uniform
+    return 2 * SCALE_BITS
+
+
 def sparse_bits(p: TensorPolicy, b: int, t: int, n_outliers: int | float) -> int | float:
     """Sparse outliers of t encoded rows: an fp16 value + a 16-bit index within the token's row of H*D entries
     per outlier, and a 16-bit outlier count per token row. n_outliers may be an expected (fractional) count."""
-    if p.format not in OUTLIER_FORMATS or p.outlier_fraction <= 0:
+    if not FORMATS[p.format].outliers or p.outlier_fraction <= 0:
         return 0
     return b * t * SPARSE_ROW_COUNT_BITS + n_outliers * (SPARSE_VALUE_BITS + SPARSE_INDEX_BITS)
 
@@ -603,3 +653,58 @@ def encoded_bits(e: Encoded, p: TensorPolicy) -> int:
 def static_bits(p: TensorPolicy) -> int:
     """Per-layer calibrated tensors a consumer loads once: codebook, static zero/range/bounds, fp8 scales."""
     return sum(t.numel() * STATIC_BITS for t in p.calibrated().values())
+
+
+# ---- the format registry ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Format:
+    """One stored form of a layer's K or V: a row of the format table (like ggml's type traits). Validation, the
+    codec, the size model and the manifest read it; nothing else lists formats."""
+    name: str
+    axes: tuple[str, ...]                 # the axes the codec takes
+    bits: tuple[int, ...]                 # the bits a policy of this format may have
+    encode: Callable[[torch.Tensor, TensorPolicy, str], Encoded]    # float32 [B, H, T, D], validated -> Encoded
+    decode: Callable[[Encoded, TensorPolicy], torch.Tensor]         # -> float32 [B, H, T, D]
+    dense_bits: Callable[[TensorPolicy, int, int, int, int, int | None], int]   # (p, b, h, t, d, n_groups)
+    row_meta_bits: Callable[[TensorPolicy], int]    # bits beside each (token, head) row's codes or values
+    export_axes: tuple[str, ...] = ()     # the axes the artifact, its Triton kernel and the serving cache take;
+                                          # () = evaluation-only (a serving engine's own format)
+    outliers: bool = False                # sparse outliers (outlier_fraction > 0) allowed
+    rotation: bool = False                # a row rotation (rotation="hadamard", evaluation-only) allowed
+    group_axes: tuple[str, ...] = ()      # axes with scales per group of group_size tokens
+    zero_point: str = "none"              # how the codes are offset (the manifest's zero_point)
+    settings: tuple[str, ...] = ()        # TensorPolicy fields only this format reads
+
+    @property
+    def exports(self) -> bool:
+        return bool(self.export_axes)
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("fp16", ("tensor",), (FULL_PRECISION_BITS,), _encode_fp16, _decode_fp16, _fp16_dense_bits, _no_row_meta,
+           export_axes=("tensor",)),
+    Format("uniform", ("token", "channel"), ALLOWED_BITS, _encode_uniform, _decode_uniform, _code_dense_bits,
+           _token_scale_and_zero, export_axes=("token", "channel"), outliers=True, rotation=True,
+           group_axes=("channel",), zero_point="min"),
+    Format("nuq", ("token", "channel"), ALLOWED_BITS, _encode_nuq, _decode_nuq, _code_dense_bits,
+           _token_scale_and_zero, export_axes=("token", "channel"), outliers=True, rotation=True,
+           zero_point="midpoint"),
+    Format("fp8", ("tensor", "head", "token", "unscaled"), (FP8_BITS,), _encode_fp8, _decode_fp8, _fp8_dense_bits,
+           _fp8_row_meta, export_axes=("tensor", "head"), settings=("fp8_dtype", "fp8_rounding")),
+    Format("int_sym", ("token",), (4, 8), _encode_int_sym, _decode_int_sym, _code_dense_bits, _fp32_scale),
+    Format("rht_int", ("token",), (4,), _encode_rht_int, _decode_rht_int, _code_dense_bits, _fp32_scale),
+    Format("turbo_mse", ("token",), (3, 4), _encode_turbo_mse, _decode_turbo_mse, _code_dense_bits, _fp16_norm,
+           settings=("norm_correction",)),
+    Format("turbo_uniform", ("token",), (3, 4), _encode_turbo_uniform, _decode_turbo_uniform, _code_dense_bits,
+           _fp16_scale_and_min),
+)}
+
+
+def formats_where(condition: Callable[[Format], bool]) -> tuple[str, ...]:
+    """The names of the formats a condition holds for, in registry order (e.g. lambda f: f.exports)."""
+    return tuple(name for name, f in FORMATS.items() if condition(f))
+
+
+def _setting_of(setting: str) -> str:
+    return "/".join(formats_where(lambda f: setting in f.settings))

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from exporters.artifact import MANIFEST_FILE, load_folder
 from exporters.checksums import sha256_file
 from exporters.manifest import ChecksumError, ManifestError
-from exporters.native import MANIFEST_FILE, load_artifact
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,14 +146,14 @@ def file_record(directory: Path) -> dict:
 
 
 def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True):
-    """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.native); every
+    """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.artifact); every
     file of the folder against kvcalib/checkpoint.json (none missing, none changed, none added at the top level);
     config.json's quantization_config and architectures; the index listing every scale in the scales file; and
     the scales themselves equal to the artifact's. Raises CheckpointError / ChecksumError naming what differs.
     hash_files=False: the files are checked present but not re-hashed (the writer, whose record was just hashed
     from those very files)."""
     directory = Path(directory)
-    artifact = load_artifact(directory / ARTIFACT_DIR, spec)
+    artifact = load_folder(directory / ARTIFACT_DIR, spec)
     record_path = directory / ARTIFACT_DIR / RECORD_FILE
     if not record_path.is_file():
         raise CheckpointError(f"no {ARTIFACT_DIR}/{RECORD_FILE} in {str(directory)!r}: not a kvcalib vLLM checkpoint")

@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from exporters.codec import ALLOWED_BITS, EXPORT_AXES, CachePolicy, CodecError, TensorPolicy
+from exporters.codec import FORMATS, FP8, CachePolicy, CodecError, TensorPolicy, formats_where
 from exporters.checksums import sha256_bytes
+from exporters.errors import InputError
 
 FORMAT_NAME = "kvcalib.kv-cache"
 FORMAT_VERSION = 2  # 2: manifest digest, raw-byte tensor checksums, bound decoding fields (1 is refused)
@@ -29,11 +30,11 @@ UNSIGNED = "0" * 64
 BOUND_KEY = "kvcalib.bound"            # tensors.safetensors __metadata__ entry: a copy of the BOUND_FIELDS
 BOUND_FIELDS = ("recipe", "model", "tokenizer", "cache", "layers")   # every field that changes decoding or fit
 UPDATABLE = ("evaluation", "runtime_check", "gate")                  # what update_manifest may replace
-ZERO_POINT = {"uniform": "min", "nuq": "midpoint"}                   # other formats: "none"
-FORMAT_BITS = {"fp16": (16,), "fp8": (8,), "uniform": ALLOWED_BITS, "nuq": ALLOWED_BITS}
+# the formats an artifact stores (exporters.codec.FORMATS with export axes; the rest is evaluation-only)
+EXPORTED = {name: f for name, f in FORMATS.items() if f.exports}
 
 
-class ManifestError(ValueError):
+class ManifestError(InputError):
     """Base of every refusal to load (or write) an artifact."""
 
 
@@ -154,7 +155,10 @@ def _check_format(manifest: Any) -> None:
         raise SchemaError(f"manifest must be a JSON object, got {type(manifest).__name__}")
     if manifest.get("format") != FORMAT_NAME:
         raise UnknownFormatError(f"manifest format must be {FORMAT_NAME!r}, got {manifest.get('format')!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    version = manifest.get("format_version")
+    if isinstance(version, (bool, float)):  # 2.0 and True compare equal to integers; neither is one
+        raise SchemaError(f"manifest field format_version: {version!r} is not of type 'integer'")
+    if version != FORMAT_VERSION:
         raise VersionMismatchError(f"manifest format_version {manifest.get('format_version')!r} is not supported "
                                    f"by this loader (it reads version {FORMAT_VERSION})")
 
@@ -170,9 +174,23 @@ def _validator():
     return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=strict)(schema())
 
 
+def _precise(error):
+    """The error to report: inside a oneOf / anyOf (runtime_check, gate, cache.prefix / smoothing: null or an
+    object) the branch's own error that reaches deepest into the instance, so the message names the field
+    (runtime_check/cases/0/context) rather than the whole object; at one field a type error first (4.0 fails
+    both `type: integer` and the enum of bits, and the type says why)."""
+    while error.context:
+        deepest = max(error.context, key=lambda e: (len(e.absolute_path), e.validator == "type"))
+        if len(deepest.absolute_path) <= len(error.absolute_path):  # no branch got further: "valid under none"
+            return error
+        error = deepest
+    return error
+
+
 def validate_schema(manifest: Any) -> None:
     _check_format(manifest)
-    errors = sorted(_validator().iter_errors(manifest), key=lambda e: list(e.absolute_path))
+    errors = sorted((_precise(e) for e in _validator().iter_errors(manifest)),
+                    key=lambda e: (list(e.absolute_path), e.validator != "type"))
     if errors:
         e = errors[0]
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
@@ -183,7 +201,7 @@ def validate_schema(manifest: Any) -> None:
 
 def outlier_rule(fmt: str, axis: str, fraction: float) -> str:
     """The sparse-outlier rule the codec applies (codec.encode): static bounds per channel, per-token quantiles."""
-    if fraction == 0 or fmt not in ("uniform", "nuq"):
+    if fraction == 0 or not FORMATS[fmt].outliers:
         return "none"
     return "static_channel_bounds" if axis == "channel" else "per_token_quantile"
 
@@ -199,22 +217,24 @@ def needed_tensors(p: dict) -> tuple[str, ...]:
 
 def _check_policy_fields(p: dict, where: str) -> None:
     fmt, axis, bits, group = p["format"], p["axis"], p["bits"], p["group_size"]
-    if bits not in FORMAT_BITS[fmt]:
-        raise QuantFieldError(f"{where}/bits: format {fmt} allows {list(FORMAT_BITS[fmt])}, got {bits!r}")
-    if axis not in EXPORT_AXES[fmt]:  # the codec's evaluation-only axes (fp8 token / unscaled) are refused here
-        raise QuantFieldError(f"{where}/axis: format {fmt} allows {list(EXPORT_AXES[fmt])}, got {axis!r}")
-    grouped = fmt == "uniform" and axis == "channel"
+    f = EXPORTED[fmt]
+    if bits not in f.bits:
+        raise QuantFieldError(f"{where}/bits: format {fmt} allows {list(f.bits)}, got {bits!r}")
+    if axis not in f.export_axes:  # the codec's evaluation-only axes (fp8 token / unscaled) are refused here
+        raise QuantFieldError(f"{where}/axis: format {fmt} allows {list(f.export_axes)}, got {axis!r}")
+    grouped = axis in f.group_axes
     if (group >= 1) != grouped:
         allowed = "an integer >= 1 (tokens per scale group)" if grouped else "0 (only uniform per-channel groups)"
         raise QuantFieldError(f"{where}/group_size: format {fmt} with axis {axis} allows {allowed}, got {group!r}")
-    zero_point = ZERO_POINT.get(fmt, "none")
+    zero_point = f.zero_point
     if p["zero_point"] != zero_point:
         raise ZeroPointError(f"{where}/zero_point: format {fmt} allows {zero_point!r}, got {p['zero_point']!r}")
-    if (fmt == "fp8") != ("fp8_dtype" in p):
-        allowed = "one of ['e4m3', 'e5m2']" if fmt == "fp8" else "no fp8_dtype field (fp8 only)"
+    if ("fp8_dtype" in f.settings) != ("fp8_dtype" in p):
+        only = "/".join(formats_where(lambda g: "fp8_dtype" in g.settings))
+        allowed = f"one of {list(FP8)}" if "fp8_dtype" in f.settings else f"no fp8_dtype field ({only} only)"
         raise Fp8DtypeError(f"{where}/fp8_dtype: format {fmt} allows {allowed}, got {p.get('fp8_dtype', '(absent)')!r}")
     out = p["outliers"]
-    if out["fraction"] != 0 and fmt not in ("uniform", "nuq"):
+    if out["fraction"] != 0 and not f.outliers:
         raise OutlierRuleError(f"{where}/outliers/fraction: format {fmt} stores no sparse outliers; allowed 0, "
                                f"got {out['fraction']!r}")
     rule = outlier_rule(fmt, axis, out["fraction"])
@@ -422,8 +442,8 @@ def check_model(manifest: dict, spec) -> None:
 # ---- CachePolicy <-> manifest ------------------------------------------------------------------------------
 
 def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None) -> dict:
-    if not p.is_exportable:  # an evaluation-only format (exporters.codec.EXPORT_AXES): no consumer decodes it
-        allowed = {f: list(a) for f, a in EXPORT_AXES.items()}
+    if not p.is_exportable:  # an evaluation-only format (no Format.export_axes): no consumer decodes it
+        allowed = {name: list(f.export_axes) for name, f in EXPORTED.items()}
         raise QuantFieldError(f"{prefix.replace('.', '/')}/format: the artifact allows format/axis {allowed}, got "
                               f"format {p.format!r} with axis {p.axis!r} (evaluation-only)")
     names = {}
@@ -433,11 +453,11 @@ def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.T
         names[name] = key
     rule = outlier_rule(p.format, p.axis, p.outlier_fraction)
     out = {"format": p.format, "bits": p.bits, "axis": p.axis, "group_size": p.group_size,
-           "zero_point": ZERO_POINT.get(p.format, "none"),
+           "zero_point": FORMATS[p.format].zero_point,
            "outliers": {"fraction": p.outlier_fraction, "rule": rule}, "tensors": names}
     if expected is not None and rule != "none":
         out["outliers"]["expected_fraction"] = expected
-    if p.format == "fp8":
+    if "fp8_dtype" in FORMATS[p.format].settings:
         out["fp8_dtype"] = p.fp8_dtype
     return out
 

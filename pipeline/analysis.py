@@ -1,5 +1,5 @@
-"""After calibration: the mixed-precision policy (optional), then where the error lands -- the layer x position
-map, passkey probes, the drift gate -- and report.md. Stages stay pure; this module wires them."""
+"""After the stage graph: where the error lands -- the layer x position map and passkey probes (the graph's
+sensitivity and probes stages), the drift gate -- and report.md."""
 from __future__ import annotations
 
 import csv
@@ -12,60 +12,27 @@ from exporters.codec import CachePolicy
 from exporters.ledger import predict_bytes
 from pipeline import faults
 from exporters.files import atomic_write_text
-from pipeline.runner import Runner, Stage
-from stages import evaluate, gate, layer_policy, probes, sensitivity
+from stages import evaluate, gate, sensitivity
 
 
-def select_policy(cfg, lm, windows, runner: Runner, results: dict, policies: dict[str, CachePolicy]) -> tuple[CachePolicy, dict]:
-    """Sensitivity of each option on calibration windows -> greedy allocation -> the mixed policy, evaluated
-    as a whole on the evaluation windows (isolated effects interact)."""
-    lp = cfg.layer_policy
-    sens_cfg = sensitivity.SensitivityConfig(n_windows=lp.n_windows, buckets=[0], variants=["kv"])
-    stages = [Stage(f"sensitivity-calib-{name}", lambda inp, pr, name=name: sensitivity.fit(
-        sensitivity.Inputs(lm.model, lm.spec, windows.calib, policies[name]), sens_cfg, pr),
-        config={"cfg": sens_cfg, "recipe": name}, deps=["evaluate"], units=lm.spec.n_layers) for name in lp.options]
-    sens = runner.run(stages, given=results)
-    recipes = results["evaluate"].meta["recipes"]
-    options = [layer_policy.Option(name, recipes[name]["avg_bits"], sens[f"sensitivity-calib-{name}"].tensors["kl"][2])
-               for name in lp.options]
-    choice = layer_policy.fit(options, lp)
-    name = f"mixed-{lp.budget:g}b"
-    mixed = layer_policy.assemble([policies[o] for o in lp.options], choice.tensors["choice"].tolist(), name)
-    ev = runner.run([Stage("evaluate-mixed", lambda inp, pr: evaluate.fit(
-                               evaluate.Inputs(lm.model, lm.spec, windows.eval, [mixed]), cfg.eval, pr),
-                           config={"choice": choice.meta["choice"]}, deps=["evaluate"],
-                           units=windows.eval.shape[0])], given=results)
-    return mixed, {"layer_policy": choice.meta, "recipe": ev["evaluate-mixed"].meta["recipes"][name]}
-
-
-def drift(cfg, lm, windows, runner: Runner, results: dict, target: CachePolicy) -> dict:
-    """Layer x position map on evaluation windows, passkey probes, gate. -> JSON-able dict (+ tensors)."""
+def drift(cfg, results: dict, target: CachePolicy) -> dict:
+    """Layer x position map on evaluation windows, passkey probes (the graph's sensitivity and probes stages),
+    gate. -> JSON-able dict."""
     out: dict = {}
-    given = dict(results)
-    stages = []
-    if cfg.sensitivity.enabled:
-        stages.append(Stage("sensitivity", lambda inp, pr: sensitivity.fit(
-                                sensitivity.Inputs(lm.model, lm.spec, windows.eval, target), cfg.sensitivity, pr),
-                            config={"cfg": cfg.sensitivity, "policy": target.name}, deps=["evaluate"],
-                            units=lm.spec.n_layers * min(cfg.sensitivity.n_windows, windows.eval.shape[0])))
-    if cfg.probes.enabled:
-        prompts = probes.make_prompts(lm.tokenizer, cfg.probes)
-        stages.append(Stage("probes", lambda inp, pr: probes.fit(
-                                probes.Inputs(lm.model, lm.spec, prompts, [target]), cfg.probes, pr),
-                            config={"cfg": cfg.probes, "policy": target.name}, deps=["evaluate"], units=len(prompts)))
-    res = runner.run(stages, given=given) if stages else {}
     sens = None
-    if "sensitivity" in res:
-        t = res["sensitivity"].tensors
-        sens = {"bucket_edges": res["sensitivity"].meta["bucket_edges"], "map_kl": t["map_kl"].tolist(),
+    if "sensitivity" in results:
+        res = results["sensitivity"]
+        t = res.tensors
+        sens = {"bucket_edges": res.meta["bucket_edges"], "map_kl": t["map_kl"].tolist(),
                 "variants": list(cfg.sensitivity.variants),
                 "map_cos": t["map_cos"].tolist(), "layer_kl": {v: t["kl"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)},
                 "layer_top1": {v: t["top1"][i].tolist() for i, v in enumerate(sensitivity.VARIANTS)}}
         out["sensitivity"] = sens
     passkey = None
-    if "probes" in res:
-        passkey = {"fp16": res["probes"].meta["accuracy"]["fp16"], target.name: res["probes"].meta["accuracy"][target.name]}
-        out["probes"] = res["probes"].meta
+    if "probes" in results:
+        meta = results["probes"].meta
+        passkey = {"fp16": meta["accuracy"]["fp16"], target.name: meta["accuracy"][target.name]}
+        out["probes"] = meta
     if cfg.gate.enabled:
         out["gate"] = gate.fit(gate.Inputs(target.name, results["evaluate"].meta["recipes"], sens, passkey),
                                cfg.gate).meta

@@ -9,30 +9,23 @@ into the manifest's `runtime_check` field. Without a GPU the kernels run in Trit
 (TRITON_INTERPRET=1). This module loads the model the artifact names, reads the text and the options, and
 writes the manifest; the comparison itself is runtime_check/check.py's.
 
-pipeline/config.py imports CheckConfig from here, so the module imports only the standard library at its top;
-torch, Triton, the model and the comparison are imported when a check runs.
+The options, CheckConfig, live in pipeline/check_config.py (pipeline/config.py composes them without importing
+this module). This module imports only the standard library and pipeline's light modules at its top; torch,
+Triton, the model and the comparison are imported when a check runs (ensure_backend chooses Triton's interpreter
+before anything imports triton).
 """
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from pipeline.check_config import CheckConfig, validate_check_options
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError, user_errors
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class CheckConfig:
-    """The runtime check after export (pipeline/check.py): Triton kernel vs oracle on real K/V."""
-    enabled: bool = True
-    contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
-    batches: list[int] = field(default_factory=lambda: [1, 2])
-    gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
 
 
 def ensure_backend() -> bool:
@@ -86,8 +79,9 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     import torch
     import triton
 
+    from exporters.artifact import read_manifest
     from exporters.compressed_tensors import ARTIFACT_DIR, is_checkpoint
-    from exporters.native import load_artifact, read_manifest, update_manifest
+    from exporters.native import load_artifact, update_manifest
     from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
     if kernel is None:
@@ -100,7 +94,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     cfg = cfg or CheckConfig()
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
-    _validate(contexts, batches, None)  # before a model is loaded for nothing
+    validate_check_options(contexts, batches, None)  # before a model is loaded for nothing
     if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
         manifest, write = read_manifest(Path(artifact_dir) / ARTIFACT_DIR), False
     else:
@@ -110,7 +104,8 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         model_bundle = load_model(model_config_for(manifest))
     artifact = load_artifact(artifact_dir, model_bundle.spec)
     prefix = artifact_prefix(artifact)
-    _validate(contexts, batches, model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
+    validate_check_options(contexts, batches,
+                           model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
     windows = eval_ids(model_bundle.tokenizer, max(batches), max(contexts) + 1)
     tol, reason = tolerance(artifact.manifest)
     log(f"runtime check: {artifact.manifest['recipe']} on {artifact.manifest['model']['name']}, "
@@ -150,20 +145,6 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     return result
 
 
-def _validate(contexts: list[int], batches: list[int], max_context: int | None) -> None:
-    """max_context: the model's positions less the prefix (None: not known yet, check the lower bounds only)."""
-    if not contexts or not batches:
-        raise UserError(f"check.contexts and check.batches must be non-empty, got {contexts} and {batches}")
-    for t in contexts:
-        if t < 1 or (max_context is not None and t >= max_context):
-            upper = "" if max_context is None else f", {max_context - 1}"
-            raise UserError(f"check.contexts: each context must be in [1{upper}] (at most the model's positions less "
-                            f"the prefix and the decoded token), got {t}")
-    for b in batches:
-        if b < 1:
-            raise UserError(f"check.batches: each batch size must be >= 1, got {b}")
-
-
 def main(args: list[str]) -> int:
     """`python -m pipeline check DIR [contexts=[64,200]] [batches=[1,2]] [gpu_contexts=[...]]`: EXIT_OK when the
     check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact or the arguments are refused
@@ -184,5 +165,5 @@ def main(args: list[str]) -> int:
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 
 
-__all__ = ["CheckConfig", "run_check", "main", "model_config_for", "eval_ids", "ensure_backend", "device_name",
+__all__ = ["run_check", "main", "model_config_for", "eval_ids", "ensure_backend", "device_name",
            "RuntimeCheckError"]

@@ -12,7 +12,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 # each stage owns its config dataclass; this module composes them into the run's schema
-from stages.codebooks import CodebookConfig
+from stages import fisher, prefix_tokens, recipe, smooth_attention
+from stages.codebooks import CodebookConfig, check_weighting
 from stages.evaluate import EvalConfig
 from stages.fisher import FisherConfig
 from stages.gate import GateConfig
@@ -24,7 +25,7 @@ from stages.sensitivity import SensitivityConfig
 from stages.smooth_attention import SmoothConfig
 from stages.traces import TracesConfig
 
-from pipeline.check import CheckConfig  # the runtime check's options live with the check
+from pipeline.check_config import CheckConfig, validate_check_options  # the runtime check's options
 from pipeline.errors import UserError
 
 
@@ -174,6 +175,73 @@ def model_names() -> list[str]:
 def load_model_config(name: str) -> ModelConfig:
     """A `conf/model/NAME.yaml` model as a typed ModelConfig."""
     return _load_group("model", name, ModelConfig, "model")
+
+
+DATA_SOURCES = ("embedded", "local", "hub")
+
+
+def validate_data(cfg: DataConfig) -> None:
+    if cfg.source not in DATA_SOURCES:
+        raise UserError(f"data.source must be one of {DATA_SOURCES}, got {cfg.source!r}")
+    for field_name in ("seq_len", "eval_seq_len"):
+        if getattr(cfg, field_name) < 2:
+            raise UserError(f"data.{field_name} must be >= 2 tokens, got {getattr(cfg, field_name)}")
+    for field_name in ("n_samples", "eval_n_samples"):
+        if getattr(cfg, field_name) < 1:
+            raise UserError(f"data.{field_name} must be >= 1, got {getattr(cfg, field_name)}")
+
+
+def recipes_of(cfg: RunConfig) -> list[QuantConfig]:
+    """The run's own recipe first, then the comparison recipes (by name, from conf/quant)."""
+    out = [cfg.quant]
+    names = list(cfg.eval.recipes) + (list(cfg.layer_policy.options) if cfg.layer_policy.enabled else [])
+    for name in names:
+        if name not in [q.name for q in out]:
+            out.append(load_recipe(name))
+    return out
+
+
+def validate_run(cfg: RunConfig) -> list[QuantConfig]:
+    """THE validation pass: every config of a run checked before anything loads (model, text, stages), each
+    refusal an InputError (stages.base; pipeline.errors.UserError, exporters' CodecError are ones) naming the
+    field, the allowed values and what was given. -> the run's recipes (recipes_of), each valid; the ones it
+    exports and serves (quant=..., layer_policy options) in formats the artifact takes. What only the loaded
+    model can tell (a BOS token for prefix recipes, a library cache's layer types) is checked right after the
+    load, before any stage runs."""
+    validate_data(cfg.data)
+    recipes = recipes_of(cfg)
+    for q in recipes:
+        recipe.validate_recipe(q)
+    recipe.check_exportable_recipe(cfg.quant, "quant")
+    if cfg.layer_policy.enabled:
+        by_name = {q.name: q for q in recipes}
+        for i, name in enumerate(cfg.layer_policy.options):
+            recipe.check_exportable_recipe(by_name[name], f"layer_policy.options[{i}] (recipe {name}): quant")
+        if not cfg.eval.enabled:
+            raise UserError("layer_policy.enabled=true needs eval.enabled=true (the options' average bits come from "
+                            "the evaluation); got eval.enabled=false")
+    if cfg.gate.enabled and not cfg.eval.enabled:  # the gate judges the evaluation: never skip it silently
+        raise UserError("gate.enabled=true needs eval.enabled=true (the gate judges the evaluation's perplexity "
+                        "ratio); got eval.enabled=false: set gate.enabled=false too, or enable the evaluation")
+    if cfg.fisher.recompute not in fisher.RECOMPUTE:
+        raise UserError(f"fisher.recompute must be one of {fisher.RECOMPUTE}, got {cfg.fisher.recompute!r}")
+    check_weighting(cfg.codebooks.weighting)
+    if any(q.smooth for q in recipes):
+        smooth_attention.validate(cfg.smooth)
+    if any(q.prefix for q in recipes):
+        prefix_tokens.validate(cfg.prefix, min(cfg.traces.down_top_k, cfg.data.seq_len))
+    if not cfg.eval.perturb_scale >= 0:
+        raise UserError(f"eval.perturb_scale must be >= 0 (relative noise on the cache's input), got "
+                        f"{cfg.eval.perturb_scale}")
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in cfg.eval.perturb_seeds):
+        raise UserError(f"eval.perturb_seeds must be integers >= 0, got {list(cfg.eval.perturb_seeds)}")
+    if cfg.export.enabled and cfg.check.enabled:
+        validate_check_options(cfg.check.contexts, cfg.check.batches, None)
+    for name, value in (("sensitivity.n_windows", cfg.sensitivity.n_windows),
+                        ("layer_policy.n_windows", cfg.layer_policy.n_windows)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    return recipes
 
 
 def register_configs() -> None:

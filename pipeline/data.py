@@ -13,12 +13,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import DataConfig
+from pipeline.config import DataConfig, validate_data
 from pipeline.errors import UserError
 from exporters.checksums import sha256_tensor
-
-DATA_SOURCES = ("embedded", "local", "hub")
-
 
 @dataclass
 class Windows:
@@ -35,20 +32,9 @@ class Windows:
         return sha256_tensor(self.eval)
 
 
-def validate(cfg: DataConfig) -> None:
-    if cfg.source not in DATA_SOURCES:
-        raise UserError(f"data.source must be one of {DATA_SOURCES}, got {cfg.source!r}")
-    for field_name in ("seq_len", "eval_seq_len"):
-        if getattr(cfg, field_name) < 2:
-            raise UserError(f"data.{field_name} must be >= 2 tokens, got {getattr(cfg, field_name)}")
-    for field_name in ("n_samples", "eval_n_samples"):
-        if getattr(cfg, field_name) < 1:
-            raise UserError(f"data.{field_name} must be >= 1, got {getattr(cfg, field_name)}")
-
-
 def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
     """(calibration text, evaluation text, a description of where each came from)."""
-    validate(cfg)
+    validate_data(cfg)
     if cfg.source == "embedded":
         import pydoc_data.topics as topics  # Python's bundled documentation: real English on every machine
         calib, evaluation = _halves("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))

@@ -13,12 +13,12 @@ this table verbatim; tests/pipeline/test_cli.py checks that the two agree and ma
 | 5 | `EXIT_INTERNAL` | an unexpected error (a bug, not bad input); the traceback is printed |
 
 Which exception gives which code: RuntimeCheckError -> 1 (the manifest records the failed check); `user_errors()`
--> 2 (UserError and every stages.base.InputError, exporters' CodecError and ManifestError, OmegaConf and Hydra
-config errors); TrackingError -> 3; GateError -> 4; anything else -> 5.
+-> 2 (exporters.errors.InputError, the one base of UserError, the stages' errors, exporters' CodecError and
+ManifestError; OmegaConf and Hydra config errors); TrackingError -> 3; GateError -> 4; anything else -> 5.
 """
 from __future__ import annotations
 
-from stages.base import InputError
+from exporters.errors import InputError
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -34,15 +34,13 @@ class UserError(InputError):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """The exception types that are deliberate refusals of bad input (EXIT_USER). Imported when needed: the
-    codec and the manifest bring torch, OmegaConf and Hydra their own weight."""
+    """The exception types that are deliberate refusals of bad input (EXIT_USER): exporters.errors.InputError,
+    the one base of every refusal (UserError, the stages' errors, the codec's CodecError, the manifest's
+    ManifestError), and OmegaConf's and Hydra's config errors (imported when needed: they bring their weight)."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from exporters.codec import CodecError
-    from exporters.manifest import ManifestError
-
-    return (InputError, CodecError, ManifestError, OmegaConfBaseException, HydraException)
+    return (InputError, OmegaConfBaseException, HydraException)
 
 
 class GateError(RuntimeError):

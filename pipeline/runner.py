@@ -1,7 +1,10 @@
 """The stage graph runner: content-hash cache, atomic cache writes, per-entry locks, progress, wall time, peak RSS.
 
-A stage's cache key hashes its name and version, its config, its inputs' keys, the model identity, the data
-identity and the code identity (`code_identity`: sources and library versions). Entries are
+Stages are declared in their modules (stages.base.Declaration); a graph is a list of declared stages bound to
+their configs. A stage's cache key hashes its declared name and version, its WHOLE config (stages.base.key_view;
+a field is left out only by its dataclass's KEY_EXCLUDED declaration), its inputs' keys, the model identity, the
+data identity and the code identity (`code_identity`: sources and library versions); fit receives exactly the
+config the key was computed from. Entries are
 `<cache_dir>/<stage>/<key>/{tensors.safetensors, meta.json}`, written into a temporary folder
 (`.tmp-<key>-<random>-<pid>@<host id>`, files fsynced) and renamed, so a run killed midway never leaves an entry
 that looks whole; an entry whose tensor checksum does not match is logged as damaged and recomputed.
@@ -22,9 +25,9 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import psutil
 from safetensors.torch import load_file, save
@@ -34,21 +37,7 @@ from exporters.checksums import sha256_file, sha256_json
 from exporters.files import fsync_dir, write_synced
 from pipeline import faults
 from pipeline.locks import FileLock, owner_is_gone, owner_suffix, remove_if_stale
-from stages.base import StageResult
-
-StageFn = Callable[[dict[str, StageResult], Callable[[int], None]], StageResult]
-
-
-@dataclass
-class Stage:
-    name: str
-    fn: StageFn                        # (inputs by stage name, progress callback) -> StageResult
-    config: Any = None                 # a dataclass or JSON-able value: part of the cache key
-    deps: list[str] = field(default_factory=list)
-    version: int = 1                   # bump when the stage's code changes its output
-    units: int = 1                     # progress-bar total
-    cache: bool = True
-
+from stages.base import Bound, Context, StageResult, key_view
 
 @dataclass
 class StageRecord:
@@ -84,10 +73,6 @@ class _RssSampler:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-def _jsonable(config: Any) -> Any:
-    return asdict(config) if is_dataclass(config) else config
-
-
 # libraries whose upgrade can change a stage's numbers: kernels (torch), model code and GGUF dequantization
 # (transformers, gguf), tokenization (tokenizers), k-means and reductions (scikit-learn, numpy), the tensor file
 # format (safetensors)
@@ -114,9 +99,13 @@ def code_identity() -> str:
                         "libraries": versions})
 
 
-def cache_key(stage: Stage, dep_keys: list[str], model_id: str, data_id: str, code_id: str = "") -> str:
-    return sha256_json({"stage": stage.name, "version": stage.version, "config": _jsonable(stage.config),
-                        "deps": dep_keys, "model": model_id, "data": data_id, "code": code_id})[:32]
+def cache_key(stage: Bound, dep_keys: list[str], model_id: str, data_id: str, code_id: str = "") -> str:
+    """The entry's key: the stage's declared name and version, its instance name, the whole config it is fitted
+    with (stages.base.key_view: every field but the ones its dataclass declares in KEY_EXCLUDED), its inputs'
+    keys, the model, data and code identities."""
+    return sha256_json({"stage": stage.declaration.name, "name": stage.name, "version": stage.declaration.version,
+                        "config": key_view(stage.config), "deps": dep_keys, "model": model_id, "data": data_id,
+                        "code": code_id})[:32]
 
 
 FOREIGN_TMP_AGE_S = 6 * 3600  # another host's temporary folder older than this is a crash's leftover
@@ -245,55 +234,62 @@ class Runner:
         self.keys: dict[str, str] = {}
         self.code_id = code_identity()
 
-    def run(self, stages: list[Stage], given: dict[str, StageResult] | None = None) -> dict[str, StageResult]:
-        """Run stages in order; `given` are results of an earlier call on this runner that stages may depend on."""
+    def keys_of(self, stages: list[Bound]) -> dict[str, str]:
+        """Every stage's cache key, computed as run() computes it, without running anything."""
+        keys: dict[str, str] = {}
+        for stage in stages:
+            missing = [d for d in stage.deps if d not in keys]
+            if missing:
+                raise ValueError(f"stage {stage.name!r} depends on {missing}, which are not before it in "
+                                 f"{[s.name for s in stages]}")
+            keys[stage.name] = cache_key(stage, [keys[d] for d in stage.deps], self.model_id, self.data_id,
+                                         self.code_id)
+        return keys
+
+    def run(self, stages: list[Bound], ctx: Context | None = None) -> dict[str, StageResult]:
+        """Run the declared stages in order (a stage's inputs before it), each fitted with ctx, its inputs and
+        the config its key was computed from."""
         removed = self.cache.clean_temporaries()
         if removed:
             self.log(f"removed {removed} unfinished cache entr{'y' if removed == 1 else 'ies'} or stale lock"
                      f"{'' if removed == 1 else 's'} from an interrupted run")
-        names = [s.name for s in stages]
-        results: dict[str, StageResult] = dict(given or {})
+        keys = self.keys_of(stages)
+        results: dict[str, StageResult] = {}
         for stage in stages:
-            missing = [d for d in stage.deps if d not in results]
-            if missing:
-                raise ValueError(f"stage {stage.name!r} depends on {missing}, which are not before it in {names}")
-            key = cache_key(stage, [self.keys[d] for d in stage.deps], self.model_id, self.data_id, self.code_id)
-            self.keys[stage.name] = key
+            key = self.keys[stage.name] = keys[stage.name]
             start = time.perf_counter()
             waited = 0.0
             with _RssSampler() as rss:
                 inputs = {d: results[d] for d in stage.deps}
-                if not stage.cache:
-                    result, status = self._compute(stage, inputs), "computed"
-                else:
-                    result, status = self.cache.load(stage.name, key), "cached"
-                    if result is None:
-                        with self.cache.lock(stage.name, key) as lock:  # another job may be computing it
-                            waited = lock.waited_s
-                            result = self.cache.load(stage.name, key)  # stored while we looked or waited?
-                            if result is None:
-                                result, status = self._compute(stage, inputs), "computed"
-                                self.cache.store(stage.name, key, result)
+                result, status = self.cache.load(stage.name, key), "cached"
+                if result is None:
+                    with self.cache.lock(stage.name, key) as lock:  # another job may be computing it
+                        waited = lock.waited_s
+                        result = self.cache.load(stage.name, key)  # stored while we looked or waited?
+                        if result is None:
+                            result, status = self._compute(stage, ctx, inputs), "computed"
+                            self.cache.store(stage.name, key, result)
             wall = time.perf_counter() - start
             self.records.append(StageRecord(stage.name, key, status, wall, rss.peak / 2**20,
-                                            sha256_json(_jsonable(stage.config)), waited))
+                                            sha256_json(key_view(stage.config)), waited))
             by = ""
             if status == "cached" and waited:
                 by = f", computed by another job while this one waited {waited:.1f} s"
             self.log(f"stage {stage.name}: {'reused cache entry' if status == 'cached' else 'computed'} "
                      f"{key[:12]} ({wall:.1f} s{by})")
             results[stage.name] = result
-        return {name: res for name, res in results.items() if name in names}
+        return results
 
-    def _compute(self, stage: Stage, inputs: dict[str, StageResult]) -> StageResult:
+    def _compute(self, stage: Bound, ctx: Context | None, inputs: dict[str, StageResult]) -> StageResult:
         point = f"stage.{stage.name}.progress"
-
-        with tqdm(total=stage.units, desc=stage.name, disable=not self.show_progress, leave=False) as bar:
+        decl = stage.declaration
+        with tqdm(total=decl.units(ctx, stage.config), desc=stage.name, disable=not self.show_progress,
+                  leave=False) as bar:
             def progress(n: int = 1) -> None:
                 bar.update(n)
                 faults.point(point)
 
-            return stage.fn(inputs, progress)
+            return decl.fit(ctx, inputs, stage.config, progress)
 
     def table(self) -> str:
         lines = [f"{'stage':<28} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12}", "-" * 60]
@@ -307,4 +303,4 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-__all__ = ["Stage", "StageRecord", "StageCache", "Runner", "cache_key", "peak_rss_mb"]
+__all__ = ["StageRecord", "StageCache", "Runner", "cache_key", "peak_rss_mb"]

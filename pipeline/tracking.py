@@ -6,7 +6,11 @@ A run records what produced it and what it measured:
 - tags: git sha, package version, model / tokenizer / data sha256, manifest sha256 and format version,
   runtime check status, the Hydra overrides and, when a stage fails, the error;
 - artifacts: the exported artifact folder, the resolved config, summary.json, the evaluation table (CSV and
-  markdown) and PNG plots (pipeline/plots.py).
+  markdown, and `evaluation/table.json` logged with `log_table`, which the UI shows "as table") and PNG plots
+  (pipeline/plots.py);
+- inputs: the calibration and evaluation token windows as MLflow datasets (context `calibration` /
+  `evaluation`, digest = the windows' sha256 cut to MLflow's 36 characters, schema and shape of the windows,
+  source = the text file or hub split they came from), listed in the run's Datasets.
 
 The run is opened before the stages and closed after everything is logged, so a failed stage leaves a FAILED
 run with its error and nothing half-recorded is FINISHED. A process killed outright (SIGKILL, OOM killer, node
@@ -27,6 +31,7 @@ import contextlib
 import csv
 import datetime as dt
 import getpass
+import importlib.util
 import io
 import json
 import os
@@ -45,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import pipeline
 from pipeline import faults
-from pipeline.config import RunConfig, TrackingConfig
+from pipeline.config import DataConfig, RunConfig, TrackingConfig
 from pipeline.errors import UserError
 from exporters.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from pipeline.locks import HOST, HOST_ID, pid_alive
@@ -60,6 +65,9 @@ _FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their n
 # the vLLM checkpoint is logged without its weight shards (a model's worth of bytes per run): config, index,
 # scales, tokenizer and the kvcalib/ record, under vllm-checkpoint/
 _CHECKPOINT_KEY = "vllm_checkpoint_dir"
+TABLE_FILE = "evaluation/table.json"  # the evaluation table, logged with MlflowClient.log_table
+_MAX_DIGEST_CHARS = 36  # MLflow's limit on a dataset digest: the windows' sha256 is cut to it (full: input tag sha256)
+_MAX_INPUT_TAG_CHARS = 500
 
 Warn = Callable[[str], None]
 
@@ -204,11 +212,8 @@ def summary_metrics(summary: dict) -> dict[str, float]:
         if _number(summary.get(key)):
             metrics[f"run.{key}"] = float(summary[key])
     for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
-        metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in row.items() if _number(v)})
-        if len(row.get("ppl_ratio_ci95") or []) == 2:  # the 95% interval of the ratio to fp16, as two metrics
-            lo, hi = row["ppl_ratio_ci95"]
-            metrics[f"eval.{_metric_name(recipe)}.ppl_ratio_ci95_lo"] = float(lo)
-            metrics[f"eval.{_metric_name(recipe)}.ppl_ratio_ci95_hi"] = float(hi)
+        metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in recipe_columns(row).items()
+                        if _number(v)})
     check = summary.get("runtime_check") or {}
     metrics.update({f"runtime_check.{k}": float(v) for k, v in check.items() if _number(v)})
     return metrics
@@ -229,13 +234,43 @@ def summary_tags(summary: dict) -> dict[str, str]:
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
+def recipe_columns(row: dict) -> dict[str, Any]:
+    """One recipe's evaluation as flat columns: a 95% interval `x_ci95: [lo, hi]` becomes `x_ci95_lo` and
+    `x_ci95_hi`; everything else is kept as it is (the numbers are the run's metrics `eval.<recipe>.<column>`)."""
+    flat: dict[str, Any] = {}
+    for key, value in row.items():
+        if key.endswith("_ci95") and isinstance(value, (list, tuple)) and len(value) == 2:
+            flat[f"{key}_lo"], flat[f"{key}_hi"] = value
+        else:
+            flat[key] = value
+    return flat
+
+
+def table_rows(recipes: dict[str, dict]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """(columns in first-seen order after avg_bits, ppl, kl, top1; {recipe: its flat columns})."""
+    rows = {name: recipe_columns(row) for name, row in recipes.items()}
+    columns = list(dict.fromkeys(["avg_bits", "ppl", "kl", "top1", *(k for row in rows.values() for k in row)]))
+    return columns, rows
+
+
+def table_frame(recipes: dict[str, dict]):
+    """The evaluation table as a pandas DataFrame for `log_table`: one row per recipe, a `recipe` column first;
+    a column a recipe lacks is null there. log_table writes it as JSON with numbers to 10 decimal places (pandas
+    `to_json`); the metrics `eval.<recipe>.<column>` and summary.json keep every digit."""
+    import pandas as pd
+
+    columns, rows = table_rows(recipes)
+    frame = pd.DataFrame([{"recipe": name, **row} for name, row in rows.items()], columns=["recipe", *columns])
+    return frame.astype({"recipe": object})  # not pandas 3's str: log_table's select_dtypes("object") warns on it
+
+
 def evaluation_table(recipes: dict[str, dict]) -> tuple[str, str]:
-    """The evaluation table as (CSV, markdown): one row per recipe, columns in first-seen order."""
-    columns = list(dict.fromkeys(["avg_bits", "ppl", "kl", "top1", *(k for row in recipes.values() for k in row)]))
+    """The evaluation table as (CSV, markdown): one row per recipe, the columns of `table_rows`."""
+    columns, rows = table_rows(recipes)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["recipe", *columns])
-    cells = {name: [_cell(row.get(c)) for c in columns] for name, row in recipes.items()}
+    cells = {name: [_cell(row.get(c)) for c in columns] for name, row in rows.items()}
     writer.writerows([name, *row] for name, row in cells.items())
     md = ["| recipe | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     md += [f"| {name} | " + " | ".join(row) + " |" for name, row in cells.items()]
@@ -246,6 +281,45 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _dataset_source(data: DataConfig, context: str):
+    """Where the text of `context` ("calibration" / "evaluation") came from, as an MLflow dataset source: the
+    hub split, or the local file (pipeline/data.py `load_texts`: a folder's calib_file / eval_file, one file's
+    halves, the embedded pydoc_data.topics module's halves)."""
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+    from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
+
+    calibration = context == "calibration"
+    if data.source == "hub":
+        return HuggingFaceDatasetSource(data.hub_name, config_name=data.hub_config,
+                                        split=data.calib_split if calibration else data.eval_split)
+    if data.source == "local":
+        path = Path(data.path).expanduser().resolve()
+        if path.is_dir():
+            path = path / (data.calib_file if calibration else data.eval_file)
+    else:
+        path = Path(importlib.util.find_spec("pydoc_data.topics").origin)
+    return get_dataset_source_from_json(json.dumps({"uri": str(path)}), "local")
+
+
+def dataset_inputs(data: DataConfig, described: dict, windows) -> list:
+    """The calibration and evaluation windows (pipeline.data.Windows) as MLflow DatasetInputs for `log_inputs`:
+    the token ids' schema and shape, digest = the summary's sha256 of the windows (cut to MLflow's limit; whole in
+    the input tag `sha256`), input tags `mlflow.data.context` and `description` (summary["data"])."""
+    import mlflow.data
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = []
+    for context, ids, sha in (("calibration", windows.calib, described["calib_sha256"]),
+                              ("evaluation", windows.eval, described["eval_sha256"])):
+        ds = mlflow.data.from_numpy(ids.cpu().numpy(), source=_dataset_source(data, context),
+                                    name=f"{data.name}-{context}", digest=sha[:_MAX_DIGEST_CHARS])
+        tags = {MLFLOW_DATASET_CONTEXT: context, "sha256": sha, "description": described.get("description", "")}
+        inputs.append(DatasetInput(Dataset(**ds.to_dict()),
+                                   tags=[InputTag(k, str(v)[:_MAX_INPUT_TAG_CHARS]) for k, v in tags.items()]))
+    return inputs
 
 
 def _hydra_files(run_dir: Path) -> dict[str, Path]:
@@ -347,12 +421,20 @@ class RunRecorder:
         missing = [str(f) for f in folders if not f.is_dir()]
         if missing:
             raise ValueError(f"summary names exported folders that do not exist: {missing}")
+        recipes = (summary.get("evaluation") or {}).get("recipes")
+        table = table_frame(recipes) if recipes else None
+        datasets = dataset_inputs(self.cfg.data, summary["data"], out["windows"]) \
+            if summary.get("data") and out.get("windows") is not None else []
         with tempfile.TemporaryDirectory(prefix="kvcalib-mlflow-") as tmp:
             _write_artifacts(out, self.cfg, self.run_dir, Path(tmp))
             try:
                 self._log_batch(metrics=metrics, tags=tags)
                 faults.point("mlflow.metrics_logged")
+                if datasets:
+                    self.client.log_inputs(self.run_id, datasets=datasets)
                 self.client.log_artifacts(self.run_id, tmp)
+                if table is not None:  # a new file (log_table would append to a table.json already logged)
+                    self.client.log_table(self.run_id, data=table, artifact_file=TABLE_FILE)
                 for folder in folders:
                     if summary.get(_CHECKPOINT_KEY) and folder == Path(summary[_CHECKPOINT_KEY]):
                         for path in _checkpoint_files(folder):
@@ -649,4 +731,5 @@ def _when(ms: int | None) -> str:
 
 __all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run", "flatten",
            "reap_dead_runs", "owner_tags",
-           "summary_metrics", "summary_tags", "evaluation_table", "git_state", "ENV_PARENT_RUN"]
+           "summary_metrics", "summary_tags", "evaluation_table", "recipe_columns", "table_rows", "table_frame",
+           "dataset_inputs", "TABLE_FILE", "git_state", "ENV_PARENT_RUN"]

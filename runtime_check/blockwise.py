@@ -3,10 +3,10 @@
 For one layer (the stored form of runtime_check/cache.py, viewed as runtime_check.inputs.DecodeInputs) and queries
 [B, H_q, T_q, D], the cached rows are read in position order -- fp16 sink rows, the encoded pages, fp16
 residual rows -- in blocks of at most `block` positions that never cross a page. A block of encoded rows is its
-page as stored, or cut from the page's bytes with runtime_check.cache.slice_rows (its slice of the packed codes,
+page as stored, or cut from the page's bytes with exporters.layout.slice_rows (its slice of the packed codes,
 of the scales / zero-points and, from the prefix sum of the per-row counts, of the sparse outliers), and decoded
 exactly as the whole would be (_Reader: 2/4/8-bit nuq codes through a table of every byte's levels, bit-exact
-with exporters.codec.decode; other formats through runtime_check.cache.load + exporters.codec.decode), keys
+with exporters.codec.decode; other formats through exporters.layout.load + exporters.codec.decode), keys
 multiplied by the SmoothAttention lambda and, for pre-RoPE keys, rotated at their stored positions with the
 model's own rotary module (float32 tables, as the oracle). Each block's scores (scaling, GQA: query head j reads kv head
 j // (H_q / H_kv), the additive / boolean mask's columns or the causal rule: a query at position p sees rows at
@@ -31,7 +31,6 @@ applied by position here), never a [T_q, T_k] mask.
 """
 from __future__ import annotations
 
-import math
 import weakref
 from contextlib import contextmanager
 from dataclasses import replace
@@ -39,21 +38,21 @@ from typing import Iterator
 
 import torch
 
-from exporters.codec import decode
-from exporters.ledger import key_group
+from exporters.codec import CachePolicy, decode
+from exporters.layout import PAGE, StoredBlock, load, n_outliers, outlier_coordinates, pages_of, slice_rows
 from exporters.rope import apply_rope, rotary_tables
-from runtime_check.cache import (BLOCK, ArtifactCache, ArtifactLayer, StoredBlock, load, n_outliers,
-                                 outlier_coordinates, pages_of, slice_rows)
+from exporters.served_rows import flush_unit
+from runtime_check.cache import BLOCK, ArtifactCache, ArtifactLayer, check_batch
 from runtime_check.inputs import DecodeInputs, from_layer
 from stages.base import InputError
 
-__all__ = ["BLOCK", "attend", "decode_attention", "layer_attention", "serving", "stored_blocks"]
+__all__ = ["BLOCK", "attend", "decode_attention", "generate", "layer_attention", "serving", "stored_blocks"]
 
 
 def _row_step(inp: DecodeInputs, block: int) -> int:
-    """Encoded rows per block: `block` rounded down to a multiple of the per-channel group sizes (so every slice
-    starts on a group boundary of both K and V), at least one group."""
-    g = math.lcm(key_group(inp.key_policy), key_group(inp.value_policy))
+    """Encoded rows per block: `block` rounded down to a multiple of the flush unit (exporters.served_rows: whole
+    groups of K and of V, so every slice starts on a group boundary of both), at least one unit."""
+    g = flush_unit(inp.key_policy, inp.value_policy)
     return max(g, block // g * g)
 
 
@@ -64,7 +63,7 @@ class _Reader:
     (level x range + zero) x lambda of its (head, channel) -- the codec's per-element arithmetic, in the same
     order, on the table instead of on every row -- for per-token rows the bare level, scaled per row after.
     Sparse outliers replace their entries afterwards (x lambda for keys), as in exporters.codec.decode; every
-    other format goes through runtime_check.cache.load + exporters.codec.decode. Pre-RoPE keys are then rotated
+    other format goes through exporters.layout.load + exporters.codec.decode. Pre-RoPE keys are then rotated
     at their positions with the model's rotary module's tables (float32)."""
 
     def __init__(self, inp: DecodeInputs):
@@ -194,7 +193,7 @@ def stored_blocks(inp: DecodeInputs, limit: int, block: int = BLOCK
                   ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
     """The stored rows at positions < limit, decoded one block at a time, in position order ->
     (keys, values [B, H_kv, n, D] float32 post-RoPE, position of the first row). Positions: sink rows 0..S-1, the
-    encoded rows from their `start` -- page by page (runtime_check.cache.PagedBlock; a plain StoredBlock is one
+    encoded rows from their `start` -- page by page (exporters.layout.PagedBlock; a plain StoredBlock is one
     page), a block never crossing a page, a page no longer than the block read as it is -- residual rows after."""
     pos = inp.start  # 0, or where a sliding layer's rows begin once its oldest left the window
     if inp.sink is not None:
@@ -445,3 +444,33 @@ def serving(model: torch.nn.Module, cache: ArtifactCache, kernel: bool | None = 
             yield cache
     finally:
         cache.served = previous
+
+
+def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             attention: str = "blockwise", block: int = BLOCK, prefill: str = "full", page: int = PAGE,
+             prefix: dict | None = None, **kwargs) -> tuple[torch.Tensor, ArtifactCache]:
+    """Generation (greedy, sampling, beam search) with the artifact's cache; refuses padded batches instead of
+    mis-rotating them. attention="blockwise" (default) serves it with the block-wise attention (`serving`: no
+    decoded copy of the history); "materialize" with the model's own attention over every row decoded. block,
+    prefill, page, prefix: see runtime_check.cache.ArtifactCache. A policy with a prefix serves input_ids after
+    it: the cache already holds the prefix's rows, so generation is given the prefix ids first (transformers
+    then feeds only the positions the cache does not hold) and the prefix is cut from the output again."""
+    check_batch(attention_mask)
+    cache = ArtifactCache(policy, model, attention=attention, block=block, prefill=prefill, page=page, prefix=prefix)
+    ids, mask = input_ids, attention_mask
+    ahead = cache.prefix_ids
+    if ahead is not None:
+        ids = torch.cat([ahead.to(input_ids)[None].expand(input_ids.shape[0], -1), input_ids], 1)
+        if mask is not None:
+            mask = torch.cat([mask.new_ones(mask.shape[0], ahead.numel()), mask], 1)
+    if attention == "materialize":
+        out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
+    else:
+        with serving(model, cache):
+            out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
+    if ahead is not None:  # the prompt as given, then the new tokens
+        if isinstance(out, torch.Tensor):
+            out = out[:, ahead.numel():]
+        else:  # return_dict_in_generate: the sequences field
+            out.sequences = out.sequences[:, ahead.numel():]
+    return out, cache

@@ -10,7 +10,6 @@ result into the manifest is pipeline/check.py's work.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -50,19 +49,17 @@ def tolerance(manifest: dict) -> tuple[dict, str]:
 
 def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
     """Fill an ArtifactCache with ids [B, T + 1] (prefill T, decode one) -> DecodeInputs per layer for the
-    decode step. prefix: {"ids": [P], "k", "v": [L, H, P, D]} rows served from the artifact at positions 0..P-1."""
+    decode step. prefix: {"ids": [P], "k", "v": [L, H, P, D]} the artifact's full-precision rows, which the
+    cache serves at positions 0..P-1 before the ids (ArtifactCache(..., prefix=...)); None for a policy without
+    a prefix, or to have the cache compute them from the model."""
     from runtime_check.cache import ArtifactCache
     from runtime_check.inputs import from_layer
     from stages.hooks import attention_override, eager_attention, model_rotaries
 
     model = lm.model
     device = next(model.parameters()).device
-    if prefix is not None:
-        p = prefix["ids"].numel()
-        ids = torch.cat([prefix["ids"].to(ids)[None].expand(ids.shape[0], p), ids], 1)
-        policy = replace(policy, n_sink=max(policy.n_sink, p))  # the prefix rows are never quantized
     ids = ids.to(device)
-    cache = ArtifactCache(policy, model)
+    cache = ArtifactCache(policy, model, prefix=prefix)
     queries: dict[int, tuple[torch.Tensor, float]] = {}
 
     def capture(module, query, key, value, mask, scaling):
@@ -71,15 +68,6 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
 
     with torch.no_grad():
         model(ids[:, :-1], cache=cache)
-        if prefix is not None:  # serve the artifact's prefix rows, as a runtime would
-            for i, layer in enumerate(cache.layers):
-                k, v = (t[i].to(torch.float16)[None].expand(ids.shape[0], -1, -1, -1)
-                        for t in (prefix["k"], prefix["v"]))
-                p, a = k.shape[2], layer.start  # a sliding layer holds positions a.. only (the rest left its window)
-                if layer.sink is None or a >= p:
-                    continue
-                layer.sink = tuple(torch.cat([x[:, :, a:], held[:, :, p - a:]], 2)
-                                   for x, held in zip((k, v), layer.sink))
         with attention_override(model, capture):
             model(ids[:, -1:], cache=cache)
     rotaries = model_rotaries(model)  # each layer's own RoPE (local and global layers may differ)

@@ -9,11 +9,15 @@ at start..S-1) and are contiguous from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from exporters.codec import TensorPolicy
-from runtime_check.cache import ArtifactLayer, PagedBlock, StoredBlock
+from exporters.layout import PagedBlock, StoredBlock
+
+if TYPE_CHECKING:  # from_layer reads a layer's fields only: the cache imports nothing of the readers' modules
+    from runtime_check.cache import ArtifactLayer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The oracle for decode attention over an exported cache: plain torch, float32, one step at a time.
 
-Decode every stored row through exporters.codec (runtime_check.cache.load unpacks the bytes), multiply smoothed
+Decode every stored row through exporters.codec (exporters.layout.load unpacks the bytes), multiply smoothed
 keys by lambda, rotate pre-RoPE keys at their positions with the model's own rotary module (so Llama-3 and other
 scalings are honoured), then softmax(q K^T * scaling) V with GQA (query head j reads kv head j // (H_q / H_kv)).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from exporters.codec import decode
+from exporters.layout import join, load, pages_of
 from exporters.rope import apply_rope, rotary_tables
-from runtime_check.cache import join, load, pages_of
 from runtime_check.inputs import DecodeInputs
 
 

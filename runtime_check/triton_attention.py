@@ -1,6 +1,6 @@
 """Fused decode attention over the exported cache (one new query token per sequence), in Triton.
 
-The kernel reads the cache in its stored layout (runtime_check/cache.py, docs/manifest.md) and never builds a
+The kernel reads the cache in its stored layout (exporters/layout.py, docs/manifest.md) and never builds a
 dequantized copy: per tile of BLOCK_T rows it unpacks the b-bit codes from the packed bytes (code j occupies
 bits [j*b, (j+1)*b) of its row, so for b=3 a code may straddle two bytes), maps them through the codebook
 (nuq) or code * scale + zero (uniform, per token or per channel group), or fp8 bytes through a 256-entry table
@@ -29,7 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from exporters.codec import FP8, TensorPolicy  # noqa: E402
-from runtime_check.cache import StoredBlock, pages_of  # noqa: E402
+from exporters.layout import StoredBlock, pages_of  # noqa: E402
 from runtime_check.inputs import DecodeInputs, inputs_to  # noqa: E402
 
 FMT_FP16, FMT_FP8, FMT_UNIFORM, FMT_NUQ = 0, 1, 2, 3
@@ -413,7 +413,7 @@ def run(launch: DecodeLaunch) -> torch.Tensor:
 def decode_attention(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None,
                      device: torch.device | str | None = None, use_dot: bool | None = None) -> torch.Tensor:
     """Decode attention of the new token over the stored cache -> [B, H_q, D] float32 (see prepare). Encoded rows
-    stored in pages (runtime_check.cache.PagedBlock, what the serving cache holds) are read where they lie: one
+    stored in pages (exporters.layout.PagedBlock, what the serving cache holds) are read where they lie: one
     launch of the partial kernel per page, the full-precision rows with the first, and one merge of all their
     splits -- the pages are more splits of the same reduction, and no page is copied or joined."""
     pages = list(zip(pages_of(inp.k_block), pages_of(inp.v_block)))

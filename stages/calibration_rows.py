@@ -23,6 +23,7 @@ import torch
 from exporters.rope import apply_rope, rotary_tables
 from exporters.rotation import largest_power_of_two_divisor, rotate_orthonormal
 from stages.base import InputError
+from stages.hooks import model_rotaries
 
 
 @dataclass
@@ -94,3 +95,50 @@ def rows_for(traces: dict[str, torch.Tensor], key_rope: str, rotary, dtype: torc
         if rotate_v:
             rows.fisher_v = block_mean(rows.fisher_v)
     return rows
+
+
+@dataclass(frozen=True)
+class CalibGroup:
+    """Recipes that share key scales, outlier thresholds and codebooks (stages.recipe.group_of): the config of the
+    key_scales and outliers stages and part of the codebooks stage's. Smoothed recipes fit K / lambda; prefix
+    recipes fit rows of the traces taken with the prefix prepended, the prefix rows excluded; rotated recipes
+    (codec rotation "hadamard"; evaluation only) fit rotated rows."""
+    fraction: float
+    n_sink: int
+    key_rope: str
+    smooth: bool = False
+    prefix: bool = False
+    rotate_k: bool = False
+    rotate_v: bool = False
+
+    @property
+    def suffix(self) -> str:
+        flags = ("-smooth" if self.smooth else "") + ("-prefix" if self.prefix else "")
+        flags += ("-rotk" if self.rotate_k else "") + ("-rotv" if self.rotate_v else "")
+        return f"f{self.fraction:g}-s{self.n_sink}-{self.key_rope}{flags}"
+
+    @property
+    def traces(self) -> str:
+        return "traces-prefix" if self.prefix else "traces"
+
+    @property
+    def fisher(self) -> str:
+        return "fisher-prefix" if self.prefix else "fisher"
+
+    @property
+    def extra(self) -> list[str]:
+        """The stages besides the traces whose results shape the group's rows."""
+        return (["smooth"] if self.smooth else []) + (["prefix_tokens"] if self.prefix else [])
+
+
+def group_rows(model, inputs: dict, g: CalibGroup, with_fisher: bool = False) -> CalibrationRows:
+    """The calibration rows of group g from the stage results `inputs` (traces or traces-prefix, smooth,
+    prefix_tokens, fisher or fisher-prefix): the whole prefix is kept in full precision, like sink rows."""
+    n_sink = g.n_sink
+    if g.prefix:
+        n_sink = max(n_sink, int(inputs["prefix_tokens"].tensors["ids"].numel()))
+    dtype = next(model.parameters()).dtype
+    return rows_for(inputs[g.traces].tensors, g.key_rope, model_rotaries(model), dtype, n_sink,
+                    smooth=inputs["smooth"].tensors["smooth"] if g.smooth else None,
+                    fisher=inputs[g.fisher].tensors if with_fisher else None,
+                    rotate_k=g.rotate_k, rotate_v=g.rotate_v)

@@ -24,8 +24,8 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from exporters.codec import ALLOWED_BITS, nearest_level, token_outlier_bounds
-from stages.base import InputError, StageResult
-from stages.calibration_rows import CalibrationRows
+from stages.base import Context, Declaration, InputError, StageResult
+from stages.calibration_rows import CalibGroup, CalibrationRows, block_mean, group_rows
 from stages.codebooks_kmeans import kmeans_1d_binned, kmeans_1d_lloyd, weighted_sse
 
 
@@ -182,3 +182,29 @@ def fit(inputs: Inputs, cfg: CodebookConfig) -> StageResult:
         tensors[f"k_codebook_{bits}"] = torch.stack(k_books)
         tensors[f"v_codebook_{bits}"] = torch.stack(v_books)
     return StageResult(tensors, {"sse": report, "outlier_fraction": fraction, "n_sink": n_sink})
+
+
+@dataclass
+class CodebookJob:
+    """The codebooks stage's config: the calibration group's rows, the bit-widths its recipes need, the fit."""
+    group: CalibGroup
+    bits: list[int]
+    codebooks: CodebookConfig
+
+
+def _fit_stage(ctx: Context, inputs: dict, job: CodebookJob, progress) -> StageResult:
+    g = job.group
+    query_w = None
+    if job.codebooks.weighting == "query-scale2":  # keys weighted by the queries that read them
+        query_w = query_key_weights(inputs[g.traces].tensors["q_meansq"], ctx.spec.n_kv_heads, ctx.spec.rope_pairing)
+        if g.smooth:  # the cache stores K / lambda: an error there is lambda times larger on K
+            query_w = query_w * inputs["smooth"].tensors["smooth"].square()
+        if g.rotate_k:  # rotated keys: each rotated channel mixes its whole Hadamard block
+            query_w = block_mean(query_w)
+    return fit(Inputs(group_rows(ctx.model, inputs, g, with_fisher=True), inputs[f"key_scales-{g.suffix}"].tensors,
+                      g.fraction, list(job.bits), query_w), job.codebooks)
+
+
+STAGE = Declaration("codebooks", CodebookJob, _fit_stage,
+                    inputs=lambda j: [j.group.traces, j.group.fisher, f"key_scales-{j.group.suffix}", *j.group.extra],
+                    suffix=lambda j: j.group.suffix)

@@ -1,32 +1,37 @@
 """Quality of quantized caches against the full-precision reference, on evaluation windows only.
 
-What is evaluated is what runtime_check/cache.py serves when the window is decoded one token at a time: K and V
-rounded to fp16 as the cache receives them; the first max(n_sink, prefix) rows kept so; every other row through
-exporters.codec (encode -> decode) exactly as the cache stores it; and the residual buffer read as decode sees
-it -- query t reads in fp16 the rows the cache still holds unflushed at step t (exporters.ledger.recent_rows)
-and older rows quantized (a mask choosing between the two score matrices and the two value sets). A policy with
-a prefix (PrefixQuant / IntactKV) serves every window after its prefix ids: positions shift by P, the P prefix
-rows are kept like sink rows (and counted at 16 bits), and metrics are taken on the window's own positions.
+What is evaluated is what runtime_check/cache.py serves when the window is decoded one token at a time, both
+reading exporters/served_rows.py (LayerRows) for which rows are sink, encoded and residual at every step: K and V
+rounded to fp16 as the cache receives them; the sink rows (the first max(n_sink, prefix) positions) kept so;
+every other row through exporters.codec (encode -> decode) exactly as the cache stores it; and the residual
+buffer read as decode sees it -- query t reads in fp16 the rows the cache still holds unflushed at step t
+(LayerRows.encoded_end: rows flush in whole units of K's and V's groups) and older rows quantized (a mask
+choosing between the two score matrices and the two value sets). A policy with a prefix (PrefixQuant /
+IntactKV) serves every window after its prefix ids: positions shift by P, the P prefix rows are the first sink
+rows (and counted at 16 bits), and metrics are taken on the window's own positions.
 
 Metrics per policy: perplexity, KL(reference || quantized) of next-token distributions, top-1 agreement,
-average bits per cached element from the ledger (codes, scales, zero-points, sparse values + indices + row
-counts, full-precision sink and residual rows at 16 bits, per-layer static tensors once per sequence), the
-measured sparse-outlier fraction, and the perplexity ratio to fp16 on the same windows with a 95% interval
-(ppl_ratio_interval): over windows and, with EvalConfig.perturb_seeds, over perturbations of the cache's input.
+average bits per cached element from the ledger (exporters.ledger.Ledger: codes, scales, zero-points, sparse
+values + indices + row counts, full-precision sink and residual rows at 16 bits, per-layer static tensors once
+per sequence), the measured sparse-outlier fraction over the tensors that store outliers, and the perplexity
+ratio to fp16 on the same windows with a 95% interval (ppl_ratio_interval): over windows and, with
+EvalConfig.perturb_seeds, over perturbations of the cache's input.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
-from exporters.codec import FULL_PRECISION_BITS, CachePolicy, encoded_bits, fake_quant, static_bits
-from exporters.ledger import key_group, recent_rows
+from exporters.codec import FULL_PRECISION_BITS, CachePolicy, fake_quant
+from exporters.ledger import Ledger
 from exporters.rope import apply_rope, invert_rope
-from stages.base import StageResult
+from exporters.served_rows import layer_rows
+from stages.base import Context, Declaration, StageResult
 from stages.engine_cache import engine_attention
+from stages.recipe import QuantConfig, inputs_of, recipe_policy
 from stages.hooks import (attend, attention_override, attention_scores, layer_rope, lm_logits, logit_rows,
                           model_device, rope_tables, sdpa_attention)
 
@@ -45,6 +50,9 @@ class EvalConfig:
     perturb_seeds: list[int] = field(default_factory=list)
     perturb_scale: float = 1e-5
 
+    # not in the cache key: with enabled=false the evaluate stage is not in the graph at all
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stage runs, not what it computes"}
+
 
 @dataclass
 class Inputs:
@@ -52,23 +60,6 @@ class Inputs:
     spec: object                  # pipeline.model.ModelSpec
     windows: torch.Tensor         # [M, T] evaluation token ids
     policies: list[CachePolicy]
-
-
-class _Ledger:
-    def __init__(self):
-        self.bits = 0.0
-        self.elements = 0
-        self.outliers = {"k": 0, "v": 0}
-        self.encoded = {"k": 0, "v": 0}
-
-    def add(self, kind: str, e, p, rows_q: int, rows_full: int, per_row: int) -> None:
-        encoded_rows = e.shape[2]
-        if encoded_rows:
-            self.bits += encoded_bits(e, p) * rows_q / encoded_rows
-        self.bits += FULL_PRECISION_BITS * rows_full * per_row + static_bits(p)
-        self.elements += (rows_q + rows_full) * per_row
-        self.outliers[kind] += e.n_outliers
-        self.encoded[kind] += math.prod(e.shape)
 
 
 QUERY_CHUNK = 1024
@@ -101,21 +92,21 @@ def _served_rows(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).float()
 
 
-def quantized_attention(policy: CachePolicy, rope: dict, ledger: _Ledger | None,
+def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
                         perturb: Perturbation | None = None):
     """An attention function (see stages.hooks) that reads the cache exactly as runtime_check/cache.py serves it
-    when the tokens are decoded one at a time: K/V rounded to fp16; the first max(n_sink, prefix) rows kept so;
+    when the tokens are decoded one at a time: K/V rounded to fp16; the sink rows (max(n_sink, prefix)) kept so;
     every other row through the codec (pre-RoPE recipes: RoPE inverted at the row's position first, then
     re-applied after decoding; smoothed keys divided by lambda before encoding and multiplied after); and the
     residual buffer -- query t reads in fp16 exactly the rows the cache still holds unflushed when t is decoded
-    (exporters.ledger.recent_rows)."""
-    s_sink, residual = max(policy.n_sink, policy.prefix_len), policy.residual  # prefix rows: full precision
+    (exporters.served_rows.LayerRows.encoded_end). A sliding layer's window is the model's own mask."""
 
     def attn(module, query, key, value, mask, scaling):
         layer = module.layer_idx
         pk, pv = policy.layers[layer]
+        rows = layer_rows(policy, layer)
         b, h, t, d = key.shape
-        s = min(s_sink, t)
+        s = rows.sink_end(t)
         k_in, v_in = key.float(), value.float()
         if perturb is not None:
             k_in = torch.cat([k_in[:, :, :s], perturb(k_in[:, :, s:])], 2)
@@ -136,12 +127,11 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: _Ledger | None,
             k_q = apply_rope(k_q, cos, sin)
         k_hat = torch.cat([k16[:, :, :s], k_q], 2).to(key.dtype)
         v_hat = torch.cat([v16[:, :, :s], v_q], 2).to(value.dtype)
-        group = key_group(pk)
         if ledger is not None:
-            r = int(recent_rows(torch.tensor(t - s), residual, group))
+            held = rows.held(t)
             for kind, e, p in (("k", ek, pk), ("v", ev, pv)):
-                ledger.add(kind, e, p, rows_q=t - s - r, rows_full=s + r, per_row=b * h * d)
-        if residual == 0 and group == 1:  # no row is ever held back from the codec
+                ledger.add(kind, e, p, rows_q=held.n_encoded, rows_full=held.n_full_precision, per_row=b * h * d)
+        if not rows.holds_back:  # every row past the sinks is read encoded from the step it arrives
             return sdpa_attention(query, k_hat, v_hat, mask, scaling)
         k16, v16 = k16.to(key.dtype), v16.to(value.dtype)
         t_q = query.shape[2]
@@ -150,8 +140,8 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: _Ledger | None,
             q = query[:, :, c : c + QUERY_CHUNK]
             m = None if mask is None else mask[:, :, c : c + QUERY_CHUNK]
             q_pos = torch.arange(t - t_q + c, t - t_q + c + q.shape[2], device=key.device)[:, None]
-            n_recent = recent_rows((q_pos + 1 - s).clamp(min=0), residual, group)
-            near = (q_pos - torch.arange(t, device=key.device)[None]) < n_recent  # [chunk, T]: fp16 rows
+            # [chunk, T]: the residual rows query q reads in fp16, from the first row its cache has not encoded
+            near = torch.arange(t, device=key.device)[None] >= rows.encoded_end(q_pos + 1)
             scores = torch.where(near, attention_scores(q, k16, _chunk_mask(m, q_pos, t), scaling),
                                  attention_scores(q, k_hat, _chunk_mask(m, q_pos, t), scaling))
             probs = torch.softmax(scores, dim=-1)
@@ -169,7 +159,7 @@ def _served(ids: torch.Tensor, policy: CachePolicy) -> tuple[torch.Tensor, int]:
     return torch.cat([policy.prefix_ids.to(ids)[None], ids], dim=1), int(policy.prefix_ids.numel())
 
 
-def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
+def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: Ledger | None = None,
                   perturb: Perturbation | None = None) -> torch.Tensor:
     """ids [1, T] -> the final hidden states [T, hidden] on the window's own positions with the cache served
     under `policy` (after its prefix, if it has one); the head is applied chunk by chunk by the caller. The
@@ -185,7 +175,7 @@ def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy
         return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
 
 
-def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: _Ledger | None = None,
+def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: Ledger | None = None,
                     perturb: Perturbation | None = None) -> torch.Tensor:
     """ids [1, T] -> next-token log-probabilities [T, V] (float32) on the window's own positions with the cache
     served under `policy`. All T x V at once: for short windows and tests; fit takes them chunk by chunk."""
@@ -268,7 +258,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
     model, spec, windows, policies = inputs.model, inputs.spec, inputs.windows, inputs.policies
     seeds = list(cfg.perturb_seeds) or [None]
     n_win, t = windows.shape
-    stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": _Ledger(),
+    stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": Ledger(),
                       "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
              for p in policies}
     ref_nll = torch.zeros(n_win, dtype=torch.float64)
@@ -305,9 +295,8 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
         ratio, lo, hi = ppl_ratio_interval(nll, ref_nll, n_tokens)
         recipes[name] = {
             "ppl": math.exp(float(nll.mean()) / n_tokens), "kl": st["kl"] / st["tokens"],
-            "top1": st["top1"] / st["tokens"], "avg_bits": led.bits / max(1, led.elements),
-            "outlier_fraction_k": led.outliers["k"] / max(1, led.encoded["k"]),
-            "outlier_fraction_v": led.outliers["v"] / max(1, led.encoded["v"]),
+            "top1": st["top1"] / st["tokens"], "avg_bits": led.avg_bits,
+            "outlier_fraction_k": led.outlier_fraction("k"), "outlier_fraction_v": led.outlier_fraction("v"),
             "ppl_ratio": ratio, "ppl_ratio_ci95": [lo, hi],
         }
         if nll.shape[0] > 1:
@@ -338,3 +327,23 @@ def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
         lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {interval:>17} "
                      f"{r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
     return "\n".join(lines)
+
+
+@dataclass
+class EvaluateJob:
+    """The evaluate stage's config: the evaluation's knobs and every recipe it evaluates, whole (a recipe file
+    edited under the same name changes the key)."""
+    eval: EvalConfig
+    recipes: list[QuantConfig]
+
+
+def _fit_stage(ctx: Context, inputs: dict, job: EvaluateJob, progress) -> StageResult:
+    policies = [recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.recipes]
+    return fit(Inputs(ctx.model, ctx.spec, ctx.eval, policies), job.eval, progress)
+
+
+def _n_eval(ctx: Context, job) -> int:
+    return ctx.eval.shape[0]
+
+
+STAGE = Declaration("evaluate", EvaluateJob, _fit_stage, inputs=lambda job: inputs_of(job.recipes), units=_n_eval)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import torch
 import torch.utils.checkpoint
 
-from stages.base import InputError, StageResult, check_finite
+from stages.base import Context, Declaration, InputError, StageResult, check_finite
 from stages.hooks import attention_layers, forward_hooks, head_rows, key_module, lm_logits, logit_rows, model_device
+from stages.prefix_tokens import prepend
 
 
 RECOMPUTE = ("auto", "always", "never")
@@ -35,6 +36,10 @@ class FisherConfig:
     per Llama-3-8B layer at 8192 positions in bfloat16) to one layer's graph plus a [T, hidden] input per layer,
     for one more forward. "auto": for windows of RECOMPUTE_AUTO_TOKENS positions or more."""
     recompute: str = "auto"
+
+    # not in the cache key: checkpointing recomputes the same forward, the gradients agree to float rounding
+    # (tests/stages/test_calibration_stages.py::test_fisher_with_layers_recomputed_equals_fisher_with_layers_held)
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"recompute": "activation checkpointing changes memory, not results"}
 
 
 @dataclass
@@ -135,3 +140,23 @@ def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int
     check_finite(fisher_v, "Fisher of values")
     return StageResult({"fisher_k": fisher_k, "fisher_v": fisher_v},
                        {"rows": n_rows, "mean_token_nll": total_loss / max(1, windows.numel() - windows.shape[0])})
+
+
+def _fit_stage(ctx: Context, inputs: dict, cfg: FisherConfig, progress) -> StageResult:
+    tr = inputs["traces"].tensors
+    return fit(Inputs(ctx.model, ctx.spec, ctx.calib, tr["res_sample"], tr["res_pos"]), cfg, progress)
+
+
+def _fit_prefixed(ctx: Context, inputs: dict, cfg: FisherConfig, progress) -> StageResult:
+    tr = inputs["traces-prefix"].tensors
+    windows = prepend(inputs["prefix_tokens"].tensors["ids"], ctx.calib)
+    return fit(Inputs(ctx.model, ctx.spec, windows, tr["res_sample"], tr["res_pos"]), cfg, progress)
+
+
+def _n_calib(ctx: Context, cfg) -> int:
+    return ctx.calib.shape[0]
+
+
+STAGE = Declaration("fisher", FisherConfig, _fit_stage, inputs=lambda c: ["traces"], units=_n_calib)
+PREFIXED = Declaration("fisher-prefix", FisherConfig, _fit_prefixed, inputs=lambda c: ["prefix_tokens", "traces-prefix"],
+                       units=_n_calib)

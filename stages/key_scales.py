@@ -13,7 +13,8 @@ import torch
 
 from exporters.codec import MAX_OUTLIER_FRACTION
 from stages.base import InputError, StageResult, check_finite
-from stages.calibration_rows import CalibrationRows
+from stages.base import Context, Declaration
+from stages.calibration_rows import CalibGroup, CalibrationRows, group_rows
 
 
 @dataclass
@@ -39,3 +40,11 @@ def fit(inputs: CalibrationRows, cfg: KeyScalesConfig) -> StageResult:
     return StageResult({"lower": lower, "upper": upper, "zero": zero, "range": rng},
                        {"outlier_fraction": f, "n_sink": inputs.n_sink, "rows": int(x.shape[0]),
                         "constant_channels": constant})
+
+
+def _fit_stage(ctx: Context, inputs: dict, g: CalibGroup, progress) -> StageResult:
+    return fit(group_rows(ctx.model, inputs, g), KeyScalesConfig(outlier_fraction=g.fraction))
+
+
+STAGE = Declaration("key_scales", CalibGroup, _fit_stage, inputs=lambda g: [g.traces, *g.extra],
+                    suffix=lambda g: g.suffix)

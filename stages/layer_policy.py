@@ -9,11 +9,15 @@ isolated KLs is only a proxy -- the chosen stack is evaluated as a whole afterwa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from exporters.codec import CachePolicy
-from stages.base import InputError, StageResult
+from stages import evaluate
+from stages.base import Context, Declaration, InputError, StageResult
+from stages.evaluate import EvalConfig
+from stages.recipe import QuantConfig, inputs_of, recipe_policy
 
 
 @dataclass
@@ -69,6 +73,9 @@ class LayerPolicyConfig:
     options: list[str] = field(default_factory=lambda: ["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"])
     n_windows: int = 1          # calibration windows for the per-layer sensitivity of each option
 
+    # not in the cache key: with enabled=false the layer-policy stages are not in the graph at all
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stages run, not what they compute"}
+
 
 def fit(options: list[Option], cfg: LayerPolicyConfig) -> StageResult:
     """options: one per candidate recipe (isolated per-layer KL and average bits) -> the choice per layer."""
@@ -79,3 +86,57 @@ def fit(options: list[Option], cfg: LayerPolicyConfig) -> StageResult:
                        {"budget": budget, "options": [o.name for o in options], "option_bits": [o.bits for o in options],
                         "choice": [options[c].name for c in choice], "predicted_avg_bits": sum(bits) / len(bits),
                         "predicted_kl": float(sum(options[c].kl[i] for i, c in enumerate(choice)))})
+
+
+@dataclass
+class Target:
+    """The policy a diagnostic stage judges: a recipe, or (options non-empty) the mixed per-layer policy the
+    evaluate-mixed stage chose among those options."""
+    recipe: QuantConfig
+    options: list[QuantConfig] = field(default_factory=list)
+
+
+def target_inputs(t: Target) -> list[str]:
+    """The stage results target_policy reads."""
+    return ["evaluate-mixed", *inputs_of(t.options)] if t.options else inputs_of([t.recipe])
+
+
+def target_policy(t: Target, n_layers: int, inputs: dict) -> CachePolicy:
+    if not t.options:
+        return recipe_policy(t.recipe, n_layers, inputs)
+    mixed = inputs["evaluate-mixed"]
+    return assemble([recipe_policy(q, n_layers, inputs) for q in t.options], mixed.tensors["choice"].tolist(),
+                    mixed.meta["name"])
+
+
+@dataclass
+class MixedJob:
+    """The evaluate-mixed stage's config: the allocation's knobs, the evaluation's, and the options whole."""
+    layer_policy: LayerPolicyConfig
+    eval: EvalConfig
+    options: list[QuantConfig]
+
+
+def mixed_name(cfg: LayerPolicyConfig) -> str:
+    return f"mixed-{cfg.budget:g}b"
+
+
+def _fit_mixed(ctx: Context, inputs: dict, job: MixedJob, progress) -> StageResult:
+    """Sensitivity of each option on calibration windows -> greedy allocation -> the mixed policy, evaluated as a
+    whole on the evaluation windows (isolated effects interact)."""
+    recipes = inputs["evaluate"].meta["recipes"]
+    options = [Option(q.name, recipes[q.name]["avg_bits"], inputs[f"sensitivity-calib-{q.name}"].tensors["kl"][2])
+               for q in job.options]
+    choice = fit(options, job.layer_policy)
+    name = mixed_name(job.layer_policy)
+    mixed = assemble([recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.options],
+                     choice.tensors["choice"].tolist(), name)
+    ev = evaluate.fit(evaluate.Inputs(ctx.model, ctx.spec, ctx.eval, [mixed]), job.eval, progress)
+    return StageResult({"choice": choice.tensors["choice"], **ev.tensors},
+                       {"name": name, "layer_policy": choice.meta, "recipe": ev.meta["recipes"][name]})
+
+
+MIXED = Declaration("evaluate-mixed", MixedJob, _fit_mixed,
+                    inputs=lambda j: ["evaluate", *(f"sensitivity-calib-{q.name}" for q in j.options),
+                                      *inputs_of(j.options)],
+                    units=lambda ctx, j: ctx.eval.shape[0])

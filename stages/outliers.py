@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from exporters.codec import token_outlier_bounds
 from stages.base import StageResult
-from stages.calibration_rows import CalibrationRows
+from stages.base import Context, Declaration
+from stages.calibration_rows import CalibGroup, CalibrationRows, group_rows
 
 
 @dataclass
@@ -45,3 +46,12 @@ def fit(inputs: Inputs, cfg: OutliersConfig) -> StageResult:
     return StageResult({"k_lower": lower.clone(), "k_upper": upper.clone()},
                        {"configured_fraction": fraction, "calib_fraction_k": k_frac, "calib_fraction_v": v_frac,
                         "v_rule": "per token over all KV heads, quantiles f/2 and 1-f/2"})
+
+
+def _fit_stage(ctx: Context, inputs: dict, g: CalibGroup, progress) -> StageResult:
+    s = inputs[f"key_scales-{g.suffix}"].tensors
+    return fit(Inputs(group_rows(ctx.model, inputs, g), s["lower"], s["upper"]), OutliersConfig(fraction=g.fraction))
+
+
+STAGE = Declaration("outliers", CalibGroup, _fit_stage,
+                    inputs=lambda g: [g.traces, f"key_scales-{g.suffix}", *g.extra], suffix=lambda g: g.suffix)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.base import InputError, StageResult
+from stages.base import Context, Declaration, InputError, StageResult
 from stages.hooks import (attention_layers, attention_override, forward_hooks, head_rows, key_module, model_device,
                           sdpa_attention)
 
@@ -119,3 +119,10 @@ def fit(inputs: Inputs, cfg: PrefixConfig) -> StageResult:
 def prepend(ids: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
     """ids [P], windows [N, T] -> [N, P + T]: every window served after the prefix."""
     return torch.cat([ids[None].expand(windows.shape[0], -1).to(windows), windows], dim=1)
+
+
+def _fit_stage(ctx: Context, inputs: dict, cfg: PrefixConfig, progress) -> StageResult:
+    return fit(Inputs(ctx.model, ctx.spec, inputs["traces"].tensors), cfg)
+
+
+STAGE = Declaration("prefix_tokens", PrefixConfig, _fit_stage, inputs=lambda c: ["traces"])

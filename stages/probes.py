@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
 from exporters.codec import CachePolicy
-from stages.base import StageResult
+from stages.base import Context, Declaration, StageResult
 from stages.evaluate import quantized_attention
+from stages.layer_policy import Target, target_inputs, target_policy
 from stages.hooks import attention_override, model_device, rope_tables
 
 @dataclass
@@ -22,6 +23,9 @@ class ProbeConfig:
     lengths: list[int] = field(default_factory=lambda: [1024, 2048])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9])
     seed: int = 0
+
+    # not in the cache key: with enabled=false the stage is not in the graph at all
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stage runs, not what it computes"}
 
 
 @dataclass
@@ -81,3 +85,19 @@ def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None
                 progress(1)
     accuracy = {name: sum(c.values()) / max(1, len(c)) for name, c in cells.items()}
     return StageResult({}, {"accuracy": accuracy, "cells": cells})
+
+
+@dataclass
+class ProbeJob:
+    """The probes stage's config: the prompts' knobs and the policy probed (beside fp16)."""
+    probes: ProbeConfig
+    target: Target
+
+
+def _fit_stage(ctx: Context, inputs: dict, job: ProbeJob, progress) -> StageResult:
+    policy = target_policy(job.target, ctx.spec.n_layers, inputs)
+    return fit(Inputs(ctx.model, ctx.spec, make_prompts(ctx.tokenizer, job.probes), [policy]), job.probes, progress)
+
+
+STAGE = Declaration("probes", ProbeJob, _fit_stage, inputs=lambda j: target_inputs(j.target),
+                    units=lambda ctx, j: len(j.probes.lengths) * len(j.probes.depths))

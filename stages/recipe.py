@@ -3,9 +3,9 @@ calibration results resolves to the per-layer CachePolicy that evaluation, expor
 
 A recipe is configuration only (formats, bits, axes, sink and residual rows, full-precision boundary layers,
 smoothing, prefix); the policy it resolves to carries the calibrated tensors (codebooks, static ranges, outlier
-bounds, fp8 scales) per layer. Evaluation-only formats (exporters.codec.EXPORT_AXES; vLLM's own caches,
-docs/peer-formats.md) resolve to policies like any other, but a run refuses them as the recipe it exports
-(check_exportable).
+bounds, fp8 scales) per layer. Evaluation-only formats (whose exporters.codec.FORMATS row exports no axis;
+vLLM's own caches, docs/peer-formats.md) resolve to policies like any other, but a run refuses them as the
+recipe it exports (check_exportable).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy, check_exportable, fp8_scale_from_amax
+from stages.calibration_rows import CalibGroup
 from stages.engine_cache import EngineCacheConfig
 
 KEY_ROPE = ("pre", "post")
@@ -81,7 +82,7 @@ def validate_recipe(q: QuantConfig) -> None:
         if kvcalib_fields or q.key_rope != "post":
             raise CodecError(f"recipe {q.name}: quant.engine runs the library's own cache; kvcalib's fields must stay "
                              f"at their defaults, got {kvcalib_fields or ['key_rope']} set")
-    g = q.key.group_size if (q.key.format == "uniform" and q.key.axis == "channel") else 0
+    g = q.key.group_size if q.key.to_policy().is_grouped else 0
     if q.residual and g and q.residual % g:
         raise CodecError(f"quant.residual={q.residual} must be a multiple of the key group size "
                          f"quant.key.group_size={g}")
@@ -148,3 +149,44 @@ def build_policy(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) 
                        smooth=calib["smooth"] if q.smooth else None, prefix_ids=prefix,
                        prefix_len=0 if prefix is None else int(prefix.numel()),
                        engine=q.engine.as_dict() if q.engine.library else None)
+
+
+def group_of(q: QuantConfig) -> CalibGroup:
+    """The calibration group a recipe's key scales, outlier thresholds and codebooks are fitted in."""
+    return CalibGroup(max(q.key.outlier_fraction, q.value.outlier_fraction), q.n_sink, q.key_rope, q.smooth, q.prefix,
+                      q.key.rotation != "none", q.value.rotation != "none")
+
+
+def calibration_inputs(q: QuantConfig) -> list[str]:
+    """The stage results a recipe's policy is built from (calibration_tensors reads exactly these)."""
+    out = ["traces"] + (["smooth"] if q.smooth else []) + (["prefix_tokens"] if q.prefix else [])
+    if needs_calibration(q):
+        suffix = group_of(q).suffix
+        out += [f"key_scales-{suffix}", f"codebooks-{suffix}"]
+    return out
+
+
+def calibration_tensors(q: QuantConfig, inputs: dict) -> dict[str, torch.Tensor]:
+    """The stage results (by stage name) a recipe's policy is built from, by the names build_policy reads."""
+    t = inputs["traces"].tensors
+    out = {"k_absmax": t["k_post_absmax"] if q.key_rope == "post" else t["k_pre_absmax"], "v_absmax": t["v_absmax"]}
+    if q.smooth:  # the cache holds K / lambda; lambda is per channel, so its abs-max divides exactly
+        out["smooth"] = inputs["smooth"].tensors["smooth"]
+        out["k_absmax"] = out["k_absmax"] / out["smooth"]
+    if q.prefix:
+        out["prefix_ids"] = inputs["prefix_tokens"].tensors["ids"]
+    if needs_calibration(q):
+        suffix = group_of(q).suffix
+        out.update(inputs[f"key_scales-{suffix}"].tensors)
+        out.update(inputs[f"codebooks-{suffix}"].tensors)
+    return out
+
+
+def recipe_policy(q: QuantConfig, n_layers: int, inputs: dict) -> CachePolicy:
+    """The recipe resolved with the calibration stage results `inputs` (calibration_inputs(q) among them)."""
+    return build_policy(q, n_layers, calibration_tensors(q, inputs))
+
+
+def inputs_of(recipes: list[QuantConfig]) -> list[str]:
+    """calibration_inputs of every recipe, in order, each once."""
+    return list(dict.fromkeys(name for q in recipes for name in calibration_inputs(q)))

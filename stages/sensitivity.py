@@ -9,13 +9,14 @@ similarity of layer i's attention output (o_proj input) and the next-token KL.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
-from stages.base import StageResult
+from stages.base import Context, Declaration, StageResult
 from stages.evaluate import quantized_attention
+from stages.layer_policy import Target, target_inputs, target_policy
 from stages.hooks import attention_layers, attention_override, forward_hooks, model_device, rope_tables
 
 @dataclass
@@ -24,6 +25,9 @@ class SensitivityConfig:
     n_windows: int = 1
     buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
     variants: list[str] = field(default_factory=lambda: ["kv"])  # add "k", "v" for the per-tensor split
+
+    # not in the cache key: with enabled=false the stage is not in the graph at all
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stage runs, not what it computes"}
 
 
 @dataclass
@@ -109,3 +113,27 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
         {"kl": (kl / n).float(), "top1": (top1 / n).float(), "nll_delta": (dnll / n).float(),
          "map_cos": (map_cos / n).float(), "map_kl": (map_kl / n).float()},
         {"variants": list(VARIANTS), "bucket_edges": edges, "windows": n, "seq_len": t, "recipe": policy.name})
+
+
+@dataclass
+class SensitivityJob:
+    """The sensitivity stage's config: the map's knobs, the policy it maps, the windows (calib: the
+    layer_policy's per-option sensitivity, on calibration windows; eval: the drift map of the run's target)."""
+    sensitivity: SensitivityConfig
+    target: Target
+    split: str = "eval"
+
+
+def _fit_stage(ctx: Context, inputs: dict, job: SensitivityJob, progress) -> StageResult:
+    windows = ctx.calib if job.split == "calib" else ctx.eval
+    policy = target_policy(job.target, ctx.spec.n_layers, inputs)
+    return fit(Inputs(ctx.model, ctx.spec, windows, policy), job.sensitivity, progress)
+
+
+def _units(ctx: Context, job: SensitivityJob) -> int:
+    windows = ctx.calib if job.split == "calib" else ctx.eval
+    return ctx.spec.n_layers * min(job.sensitivity.n_windows, windows.shape[0])
+
+
+STAGE = Declaration("sensitivity", SensitivityJob, _fit_stage, inputs=lambda j: target_inputs(j.target),
+                    suffix=lambda j: f"calib-{j.target.recipe.name}" if j.split == "calib" else "", units=_units)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stages.base import InputError, StageResult
+from stages.base import Context, Declaration, InputError, StageResult
 
 ROPE_PAIRINGS = ("rotate_half",)
 
@@ -127,3 +127,11 @@ def _fold_norms(layer: int, q_norm, k_norm, lam: torch.Tensor) -> None:
         offset = NORM_WEIGHT_OFFSET[kind]
         gain = (offset + norm.weight.double()) * scale.double()
         norm.weight.copy_((gain - offset).to(norm.weight.dtype))
+
+
+def _fit_stage(ctx: Context, inputs: dict, cfg: SmoothConfig, progress) -> StageResult:
+    t = inputs["traces"].tensors
+    return fit(Inputs(t["q_absmax"], t["k_pre_absmax"], ctx.spec.rope_pairing), cfg)
+
+
+STAGE = Declaration("smooth", SmoothConfig, _fit_stage, inputs=lambda c: ["traces"])

@@ -17,9 +17,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from stages.base import InputError, StageResult, check_finite
+from stages.base import Context, Declaration, InputError, StageResult, check_finite
 from stages.hooks import (attention_layers, attention_override, attention_scores, forward_hooks, head_rows,
                           key_module, model_device, query_module, sdpa_attention)
+from stages.prefix_tokens import prepend
 
 
 @dataclass
@@ -215,3 +216,20 @@ def fit(inputs: Inputs, cfg: TracesConfig, progress: Callable[[int], None] | Non
     }
     meta = {"n_tokens": n_tokens, "n_samples": n_samples, "seq_len": seq_len, "reservoir_rows": filled}
     return StageResult(tensors={name: t.cpu() for name, t in tensors.items()}, meta=meta)
+
+
+def _fit_stage(ctx: Context, inputs: dict, cfg: TracesConfig, progress) -> StageResult:
+    return fit(Inputs(ctx.model, ctx.spec, ctx.calib), cfg, progress)
+
+
+def _fit_prefixed(ctx: Context, inputs: dict, cfg: TracesConfig, progress) -> StageResult:
+    """The calibration windows served after the discovered prefix (prefix recipes fit the rows after it)."""
+    return fit(Inputs(ctx.model, ctx.spec, prepend(inputs["prefix_tokens"].tensors["ids"], ctx.calib)), cfg, progress)
+
+
+def _n_calib(ctx: Context, cfg) -> int:
+    return ctx.calib.shape[0]
+
+
+STAGE = Declaration("traces", TracesConfig, _fit_stage, units=_n_calib)
+PREFIXED = Declaration("traces-prefix", TracesConfig, _fit_prefixed, inputs=lambda c: ["prefix_tokens"], units=_n_calib)

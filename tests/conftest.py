@@ -120,7 +120,7 @@ def forge():
 
     from exporters import manifest as mf
     from exporters.checksums import sha256_bytes
-    from exporters.native import MANIFEST_FILE, tensor_file_metadata
+    from exporters.artifact import MANIFEST_FILE, tensor_file_metadata
 
     def rewrite(path, edit=None, edit_tensors=None, rebind=False):
         raw = (path / mf.TENSOR_FILE).read_bytes()

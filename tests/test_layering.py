@@ -1,6 +1,7 @@
 """The house's layering, checked on every import statement of the product code (function-local ones too):
 bench -> pipeline -> {stages, runtime_check} -> exporters. An import may point down or sideways, never up;
-Hydra, OmegaConf and MLflow are imported only by pipeline/ (and bench/, above it)."""
+Hydra, OmegaConf and MLflow are imported only by pipeline/ (and bench/, above it). The import reader below
+(module_name, imports) is the one tests/test_import_cycles.py builds its module graph from."""
 import ast
 import subprocess
 import sys
@@ -12,21 +13,55 @@ LEVEL = {"exporters": 0, "stages": 1, "runtime_check": 1, "pipeline": 2, "bench"
 SIDE_EFFECT_LIBS = ("hydra", "omegaconf", "mlflow")
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """exporters/native.py -> exporters.native; stages/__init__.py -> stages."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(dotted: str, root: Path = ROOT) -> bool:
+    base = root.joinpath(*dotted.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, root: Path = ROOT, runtime_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) for every import statement of `path`, function-local ones too. `import a.b` names a.b;
+    `from a import b` names a.b where that is a module under `root`, else a; relative imports are resolved
+    against the file's package. runtime_only: leave out the body of `if TYPE_CHECKING:` (never executed)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = set()
+    if runtime_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and _type_checking(node.test):
+                skipped |= {id(n) for statement in node.body for n in ast.walk(statement)}
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module))
-    return out
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{module}.{a.name}" if module else a.name
+                out.append((node.lineno, sub if a.name != "*" and is_module(sub, root) else module))
+    return sorted(set(out))
 
 
 def violations(root: Path = ROOT) -> list[str]:
     bad = []
     for package, level in LEVEL.items():
         for path in sorted((root / package).rglob("*.py")):
-            for line, module in imports(path):
+            for line, module in imports(path, root):
                 top = module.split(".")[0]
                 where = f"{path.relative_to(root)}:{line} imports {module}"
                 if top in LEVEL and LEVEL[top] > level:

@@ -5,9 +5,10 @@ from hypothesis import strategies as st
 
 import dataclasses
 
-from exporters.codec import (CALIBRATED_FIELDS, CodecError, TensorPolicy, check_exportable, decode, encode, encoded_bits, fake_quant,
-                             fp8_scale_from_amax, pack_codes, static_bits, stored_bits, token_outlier_bounds,
-                             unpack_codes)
+from exporters import codec
+from exporters.codec import (CALIBRATED_FIELDS, FORMATS, CodecError, Encoded, Format, TensorPolicy, check_exportable, decode,
+                             encode, encoded_bits, fake_quant, fp8_scale_from_amax, pack_codes, static_bits, stored_bits,
+                             token_outlier_bounds, unpack_codes)
 
 
 def t4(rows):  # [T, D] -> [1, 1, T, D]
@@ -209,6 +210,8 @@ def test_calibrated_fields_are_the_policy_tensors():
     (TensorPolicy(format="nuq", bits=2, axis="token", codebook=torch.tensor([0.0, 0.0, 1.0, 2.0])), r"strictly increasing"),
     (TensorPolicy(format="nuq", bits=3, axis="token", codebook=torch.zeros(4)), r"2\^bits = 8 levels, got 4"),
     (TensorPolicy(format="uniform", bits=2, axis="channel"), r"group_size must be >= 1"),
+    (TensorPolicy(format="fp8", bits=4, axis="tensor"), r"bits must be one of \(8,\), got 4 \(format fp8\)"),
+    (TensorPolicy(format="fp16", bits=8), r"bits must be one of \(16,\), got 8 \(format fp16\)"),
 ])
 def test_bad_policies_name_the_field(policy, pattern):
     with pytest.raises(CodecError, match=pattern):
@@ -256,3 +259,46 @@ def test_rotation_is_refused_where_it_does_not_apply_and_where_a_policy_is_expor
     assert not p.is_exportable
     with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only.*got 'hadamard'"):
         check_exportable(p, "quant.key")
+
+
+def test_a_format_is_one_registered_row():
+    """Registering one Format is all a new format needs: validation, encode / decode, the size model and the
+    exportability checks read it (a sign-and-magnitude toy: fp16 values of the sign times 1, per row)."""
+    def enc(x, p, where):
+        return Encoded(tuple(x.shape), codes=(x >= 0).to(torch.uint8))
+
+    def dec(e, p):
+        return e.codes.float() * 2 - 1
+
+    toy = Format("sign", ("token",), (1,), enc, dec, codec._code_dense_bits, lambda p: 7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(FORMATS, "sign", toy)
+        p = TensorPolicy(format="sign", bits=1, axis="token")
+        x = t4([[0.5, -2.0, 0.0, 3.0]])
+        assert decode(encode(x, p), p).flatten().tolist() == [1.0, -1.0, 1.0, 1.0]
+        assert stored_bits(p, 1, 1, 3, 4) == 3 * (8 + 7)   # 4 one-bit codes in one whole byte, 7 bits beside
+        assert not p.is_exportable
+        with pytest.raises(CodecError, match=r"format sign with axis token is evaluation-only"):
+            check_exportable(p, "quant.key")
+        with pytest.raises(CodecError, match=r"q\.bits must be one of \(1,\), got 2 \(format sign\)"):
+            TensorPolicy(format="sign", bits=2, axis="token").validate_config("q")
+        with pytest.raises(CodecError, match=r"outlier_fraction: format sign stores no sparse outliers"):
+            TensorPolicy(format="sign", bits=1, axis="token", outlier_fraction=0.01).validate_config("q")
+    with pytest.raises(CodecError, match=r"format must be one of \('fp16', 'uniform', 'nuq', 'fp8', 'int_sym'"):
+        TensorPolicy(format="sign", bits=1, axis="token").validate_config("q")
+
+
+def test_the_registry_rows():
+    """What each row says, by hand: the exported formats and their axes, bits, zero points, groups."""
+    exported = {name: f.export_axes for name, f in FORMATS.items() if f.exports}
+    assert exported == {"fp16": ("tensor",), "uniform": ("token", "channel"), "nuq": ("token", "channel"),
+                        "fp8": ("tensor", "head")}
+    assert all(set(f.export_axes) <= set(f.axes) for f in FORMATS.values())
+    assert {name: f.bits for name, f in FORMATS.items()} == {
+        "fp16": (16,), "uniform": (2, 3, 4, 8), "nuq": (2, 3, 4, 8), "fp8": (8,), "int_sym": (4, 8), "rht_int": (4,),
+        "turbo_mse": (3, 4), "turbo_uniform": (3, 4)}
+    assert codec.formats_where(lambda f: f.outliers) == codec.formats_where(lambda f: f.rotation) == ("uniform", "nuq")
+    assert {name: f.zero_point for name, f in FORMATS.items() if f.zero_point != "none"} == {"uniform": "min",
+                                                                                         "nuq": "midpoint"}
+    assert TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4).is_grouped
+    assert not TensorPolicy(format="nuq", bits=2, axis="channel").is_grouped

@@ -149,3 +149,14 @@ def test_a_repeated_member_name_is_refused(make_artifact):
     (artifact / "manifest.json").write_text(text.replace('"n_sink": 0,', '"n_sink": 0, "n_sink": 4,'))
     with pytest.raises(mf.SchemaError, match=r"repeats member names \['n_sink'\]"):
         load_artifact(artifact)
+
+
+def test_the_schema_enums_are_the_registrys_exported_formats():
+    """The schema (a static file for other languages) lists what exporters.codec.FORMATS exports: formats, axes,
+    bits and zero points; a format registered for export without a schema change fails here."""
+    policy = mf.schema()["$defs"]["tensor_policy"]["properties"]
+    exported = mf.EXPORTED.values()
+    assert policy["format"]["enum"] == list(mf.EXPORTED)
+    assert set(policy["axis"]["enum"]) == {a for f in exported for a in f.export_axes}
+    assert set(policy["bits"]["enum"]) == {b for f in exported for b in f.bits}
+    assert set(policy["zero_point"]["enum"]) == {f.zero_point for f in exported}

@@ -3,7 +3,8 @@ model loads, naming the field, the allowed formats and what was given; as compar
 import pytest
 
 from exporters.codec import CodecError
-from pipeline.app import check_recipes, run_pipeline
+from pipeline.app import run_pipeline
+from pipeline.config import validate_run
 from pipeline.config import EvalConfig, LayerPolicyConfig, ModelConfig, RunConfig, load_recipe
 from pipeline.errors import user_errors
 
@@ -25,7 +26,7 @@ def test_the_value_field_is_named_too():
     q.value = load_recipe("vllm-fp8-per-token-head").value
     with pytest.raises(CodecError, match=r"^quant\.value: format fp8 with axis token is evaluation-only .*"
                                          r"fp8 \(axis tensor\|head\)"):
-        check_recipes(RunConfig(quant=q))
+        validate_run(RunConfig(quant=q))
 
 
 def test_a_peer_format_as_a_layer_policy_option_is_refused():
@@ -33,10 +34,10 @@ def test_a_peer_format_as_a_layer_policy_option_is_refused():
                     layer_policy=LayerPolicyConfig(enabled=True, options=["kvquant-3b-1pct", "vllm-int4-per-token-head"]))
     with pytest.raises(CodecError, match=r"^layer_policy\.options\[1\] \(recipe vllm-int4-per-token-head\): quant\.key: "
                                          r"format rht_int with axis token is evaluation-only"):
-        check_recipes(cfg)
+        validate_run(cfg)
 
 
 def test_peer_formats_are_fine_as_comparison_recipes():
     names = ["fp16", "vllm-int8-per-token-head", "vllm-turboquant-k8v4", "vllm-turboquant-3bit-nc"]
     cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=names))
-    assert [q.name for q in check_recipes(cfg)] == ["kvquant-4b-1pct", *names]
+    assert [q.name for q in validate_run(cfg)] == ["kvquant-4b-1pct", *names]

@@ -17,11 +17,17 @@ import pytest
 import torch
 
 from pipeline.locks import HOST, HOST_ID, FileLock, LockInfo
-from pipeline.runner import Runner, Stage, StageCache, cache_key, code_identity
-from stages.base import StageResult
+from pipeline.runner import Runner, StageCache, cache_key, code_identity
+from stages.base import Declaration, StageResult
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = {"heartbeat_s": 0.1, "stale_after_s": 1.0, "poll_s": 0.05}
+
+
+def Stage(name, fn, config, deps=()):
+    """A stage declared on the spot: fn(inputs, progress) fitted with `config` (its whole value keyed)."""
+    return Declaration(name, type(config), lambda ctx, inputs, cfg, progress: fn(inputs, progress),
+                       inputs=lambda cfg: list(deps))(config)
 
 
 def _env() -> dict:

@@ -3,6 +3,7 @@ recipe and records a failure in the manifest; `python -m pipeline check` and `ru
 pipeline/errors.py."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from exporters.native import load_artifact
-from pipeline.check import CheckConfig, run_check
+from pipeline.check import run_check
+from pipeline.check_config import CheckConfig
 from pipeline.config import load_recipe, recipe_names
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
 from runtime_check import triton_attention
@@ -51,8 +53,6 @@ def test_a_disagreeing_kernel_is_a_recorded_failure(tiny, make_artifact):
     assert result["status"] == "failed" and "error" not in result
     assert result["max_rel_err"] > 10 * result["tolerance"]["rtol"], result["max_rel_err"]
     assert manifest_of(path)["runtime_check"]["status"] == "failed"
-    with pytest.raises(RuntimeCheckError, match=r"max_rel_err .* beyond rtol 0.0002 .*; see runtime_check"):
-        raise RuntimeCheckError(path, result)
 
 
 def test_a_kernel_that_raises_is_a_recorded_failure(tiny, make_artifact):
@@ -64,8 +64,6 @@ def test_a_kernel_that_raises_is_a_recorded_failure(tiny, make_artifact):
     result = run_check(path, tiny, CheckConfig(contexts=[16], batches=[1]), kernel=broken, log=quiet)
     assert result["status"] == "failed" and "ValueError: no such format" in result["error"]
     assert manifest_of(path)["runtime_check"]["error"] == result["error"]
-    with pytest.raises(RuntimeCheckError, match="no such format; see runtime_check"):
-        raise RuntimeCheckError(path, result)
 
 
 def test_bad_contexts_and_batches_are_refused_before_the_model_loads(tmp_path):
@@ -120,8 +118,22 @@ def test_check_main_exits_check_failed_when_the_kernel_disagrees(make_artifact, 
     assert main([str(path), "bogus=1"]) == EXIT_USER
 
 
-def test_a_failed_check_fails_the_run(tmp_path, monkeypatch):
-    """run_pipeline runs the check after export; a disagreement is written to the manifest, then raised."""
+def _disagreeing(real):
+    return lambda inp, **kw: real(inp, **kw) * 1.01
+
+
+def _raising(real):
+    def kernel(inp, **kw):
+        raise ValueError("no such format")
+    return kernel
+
+
+@pytest.mark.parametrize("faulty, cause", [
+    (_disagreeing, r"max_rel_err (?P<rel>\S+) beyond rtol (?P<rtol>\S+) \(max_abs_err (?P<abs>\S+)\)"),
+    (_raising, r"context 16, batch 1: layer 0: ValueError: no such format")])
+def test_a_failed_check_fails_the_run(tmp_path, monkeypatch, faulty, cause):
+    """run_pipeline runs the check after export; a kernel that disagrees with the oracle or raises is written to the
+    manifest and the summary, then raised as a RuntimeCheckError naming the cause the manifest records."""
     from omegaconf import OmegaConf
 
     from pipeline.app import run_pipeline
@@ -134,12 +146,23 @@ def test_a_failed_check_fails_the_run(tmp_path, monkeypatch):
         "check.batches=[1]", f"cache_dir={tmp_path / 'cache'}", "quant.name=int4-token", "quant.key.format=uniform",
         "quant.key.bits=4", "quant.key.axis=token", "quant.value.format=uniform", "quant.value.bits=4",
         "quant.value.axis=token"])))
-    real = triton_attention.decode_attention
-    monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
-    with pytest.raises(RuntimeCheckError, match="runtime check failed"):
+    monkeypatch.setattr(triton_attention, "decode_attention", faulty(triton_attention.decode_attention))
+    with pytest.raises(RuntimeCheckError) as raised:
         run_pipeline(cfg, tmp_path / "run", log=quiet, show_progress=False)
-    assert manifest_of(tmp_path / "run" / "artifact")["runtime_check"]["status"] == "failed"
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["runtime_check"]["status"] == "failed"
+    recorded = manifest_of(tmp_path / "run" / "artifact")["runtime_check"]
+    assert recorded["status"] == "failed" and raised.value.result == recorded
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["runtime_check"] == recorded
+    message, artifact = str(raised.value), re.escape(str((tmp_path / "run" / "artifact").resolve()))
+    found = re.fullmatch(f"runtime check failed for {artifact}: {cause}; see runtime_check in its manifest.json",
+                         message)
+    assert found, message
+    if "error" in recorded:
+        assert f": {recorded['error']}; see" in message
+    else:
+        assert recorded["max_rel_err"] > 10 * recorded["tolerance"]["rtol"]
+        assert float(found["rel"]) == pytest.approx(recorded["max_rel_err"], rel=1e-3)
+        assert float(found["rtol"]) == recorded["tolerance"]["rtol"]
+        assert float(found["abs"]) == pytest.approx(recorded["max_abs_err"], rel=1e-3)
 
 
 def test_a_failed_check_under_run_exits_as_check_does(tmp_path, monkeypatch, capsys):

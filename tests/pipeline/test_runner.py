@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from pipeline.locks import HOST_ID
-from pipeline.runner import RESULT_LIBRARIES, Runner, Stage, StageCache, code_identity
-from stages.base import StageResult
+from pipeline.runner import RESULT_LIBRARIES, Runner, StageCache, code_identity
+from stages.base import Declaration, StageResult
+
+
+def Stage(name, fn, config, deps=()):
+    """A stage declared on the spot: fn(inputs, progress) fitted with `config` (its whole value keyed)."""
+    return Declaration(name, type(config), lambda ctx, inputs, cfg, progress: fn(inputs, progress),
+                       inputs=lambda cfg: list(deps))(config)
 
 
 @dataclass

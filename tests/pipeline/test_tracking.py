@@ -151,15 +151,28 @@ def recorded(launched):
     return out, run_id, launched.cwds["recorded"]
 
 
+def _windows():
+    """Token-id windows as pipeline.data.build_windows makes them: 2 x 8 calibration, 1 x 12 evaluation."""
+    from pipeline.data import Windows
+
+    return Windows(calib=torch.arange(16).reshape(2, 8), eval=torch.arange(100, 112).reshape(1, 12),
+                   description="hand-made")
+
+
 def _summary(artifact_dir: Path) -> dict:
     """What run_pipeline returns once export and runtime check exist: every optional section filled."""
+    windows = _windows()
     return {
         "model": {"name": "tiny", "model_sha256": "a" * 64, "tokenizer_sha256": "b" * 64},
-        "data": {"description": "hand-made", "calib_sha256": "c" * 64, "eval_sha256": "d" * 64},
+        "data": {"description": "hand-made", "calib_sha256": windows.calib_sha256,
+                 "eval_sha256": windows.eval_sha256},
         "stages": [{"name": "traces", "key": "e" * 32, "status": "computed", "wall_s": 1.5, "peak_rss_mb": 100.0}],
         "wall_s": 3.0, "peak_rss_mb": 120.0,
-        "evaluation": {"recipes": {"fp16": {"ppl": 10.0, "kl": 0.0, "top1": 1.0, "avg_bits": 16.0},
-                                   "kivi-2": {"ppl": 12.5, "kl": 0.25, "top1": 0.75, "avg_bits": 2.5}}},
+        "evaluation": {"recipes": {
+            "fp16": {"ppl": 10.0, "kl": 0.0, "top1": 1.0, "avg_bits": 16.0, "ppl_ratio": 1.0,
+                     "ppl_ratio_ci95": [1.0, 1.0], "ppl_seeds": [10.0, 10.0]},
+            "kivi-2": {"ppl": 12.5, "kl": 0.25, "top1": 0.75, "avg_bits": 2.5, "ppl_ratio": 1.25,
+                       "ppl_ratio_ci95": [1.1234567890123, 1.3765432109876], "ppl_seeds": [12.25, 12.75]}}},
         "runtime_check": {"status": "pass", "max_abs_err": 0.001, "max_rel_err": 0.002},
         "manifest": {"sha256": "f" * 64, "format_version": "1.0"},
         "artifact_dir": str(artifact_dir),
@@ -181,7 +194,8 @@ def _out(tmp: Path) -> dict:
     g = torch.Generator().manual_seed(0)
     k = torch.rand(2, 2, 16, generator=g)  # [n_layers, n_kv_heads, head_dim]
     traces = StageResult(tensors={"k_pre_absmax": k, "k_post_absmax": 2 * k, "v_absmax": k / 2})
-    return {"summary": _summary(folder) | {"vllm_checkpoint_dir": str(ckpt)}, "results": {"traces": traces}}
+    return {"summary": _summary(folder) | {"vllm_checkpoint_dir": str(ckpt)}, "results": {"traces": traces},
+            "windows": _windows()}
 
 
 def _config(uri: str | None, **tracking):
@@ -214,6 +228,52 @@ def _artifacts(client, run_id: str, path: str | None = None) -> set[str]:
     return found
 
 
+def _check_table(client, run_id: str, recipes: dict, tmp: Path) -> None:
+    """evaluation/table.json, read back as a JSON file and as MLflow reads a table (pandas, orient split): one
+    row per recipe, every column of its flat row (both interval ends) with the summary's numbers (to log_table's
+    10 decimals; a NaN is null)."""
+    import pandas as pd
+
+    from pipeline.tracking import TABLE_FILE, recipe_columns
+
+    path = Path(client.download_artifacts(run_id, TABLE_FILE, str(tmp)))
+    table = json.loads(path.read_text())
+    assert table["columns"][0] == "recipe"
+    rows = {row[0]: dict(zip(table["columns"], row)) for row in table["data"]}
+    assert len(table["data"]) == len(recipes) and set(rows) == set(recipes)
+    for name, summary_row in recipes.items():
+        expected = recipe_columns(summary_row)
+        assert {"ppl", "kl", "top1", "avg_bits", "ppl_ratio_ci95_lo", "ppl_ratio_ci95_hi"} <= set(expected)
+        for column, value in expected.items():
+            if isinstance(value, float) and value != value:
+                assert rows[name][column] is None, (name, column)
+            else:
+                assert rows[name][column] == pytest.approx(value, abs=1e-10, rel=0), (name, column)
+    logged = json.loads(client.get_run(run_id).data.tags["mlflow.loggedArtifacts"])
+    assert {"path": TABLE_FILE, "type": "table"} in logged  # what makes the UI show it as a table
+    frame = pd.read_json(path, orient="split")  # MlflowClient.load_table's reader (it searches the global store)
+    assert list(frame["recipe"]) == list(rows) and len(frame.columns) == len(table["columns"])
+
+
+def _check_datasets(run, data: dict, shapes: dict[str, list[int]]) -> None:
+    """The run's inputs: the calibration and evaluation windows, each once, with the summary's sha256."""
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = {}
+    for item in run.inputs.dataset_inputs:
+        tags = {t.key: t.value for t in item.tags}
+        inputs[tags[MLFLOW_DATASET_CONTEXT]] = (item.dataset, tags)
+    assert len(run.inputs.dataset_inputs) == 2 and set(inputs) == {"calibration", "evaluation"}
+    for context, key in (("calibration", "calib_sha256"), ("evaluation", "eval_sha256")):
+        dataset, tags = inputs[context]
+        assert dataset.digest == data[key][:36] and tags["sha256"] == data[key]
+        assert dataset.name == f"embedded-{context}" and tags["description"] == data["description"]
+        assert dataset.source_type == "local"
+        assert json.loads(dataset.source)["uri"].endswith(os.path.join("pydoc_data", "topics.py"))
+        assert json.loads(dataset.profile)["features_shape"] == shapes[context]
+        assert "int64" in dataset.schema
+
+
 # ------------------------------------------------------------------------------------------------- unit
 
 def test_flatten_and_metrics_are_hand_checkable():
@@ -231,8 +291,54 @@ def test_evaluation_table_csv_and_markdown():
     from pipeline.tracking import evaluation_table
 
     csv_text, md = evaluation_table(_summary(Path("x"))["evaluation"]["recipes"])
-    assert csv_text.splitlines() == ["recipe,avg_bits,ppl,kl,top1", "fp16,16,10,0,1", "kivi-2,2.5,12.5,0.25,0.75"]
-    assert md.splitlines()[2] == "| fp16 | 16 | 10 | 0 | 1 |"
+    assert csv_text.splitlines() == [
+        "recipe,avg_bits,ppl,kl,top1,ppl_ratio,ppl_ratio_ci95_lo,ppl_ratio_ci95_hi,ppl_seeds",
+        'fp16,16,10,0,1,1,1,1,"[10.0, 10.0]"', 'kivi-2,2.5,12.5,0.25,0.75,1.25,1.12346,1.37654,"[12.25, 12.75]"']
+    assert md.splitlines()[2] == "| fp16 | 16 | 10 | 0 | 1 | 1 | 1 | 1 | [10.0, 10.0] |"
+
+
+def test_table_frame_has_a_row_per_recipe_and_both_interval_ends():
+    from pipeline.tracking import recipe_columns, summary_metrics, table_frame
+
+    assert recipe_columns({"ppl": 2.0, "ppl_ratio_ci95": [0.5, 1.5], "ppl_seeds": [1.0, 3.0]}) == {
+        "ppl": 2.0, "ppl_ratio_ci95_lo": 0.5, "ppl_ratio_ci95_hi": 1.5, "ppl_seeds": [1.0, 3.0]}
+    frame = table_frame({"a": {"ppl": 2.0, "ppl_ratio_ci95": [0.5, 1.5]}, "b": {"ppl": 3.0, "top1": 0.5}})
+    assert list(frame.columns) == ["recipe", "avg_bits", "ppl", "kl", "top1", "ppl_ratio_ci95_lo",
+                                   "ppl_ratio_ci95_hi"]
+    assert list(frame["recipe"]) == ["a", "b"] and list(frame["ppl"]) == [2.0, 3.0]
+    assert frame["ppl_ratio_ci95_hi"][0] == 1.5 and frame["ppl_ratio_ci95_hi"].isna()[1]
+    metrics = summary_metrics(_summary(Path("x")))  # the metrics are the table's numeric columns
+    assert metrics["eval.kivi-2.ppl_ratio_ci95_lo"] == 1.1234567890123
+    assert metrics["eval.kivi-2.ppl_ratio_ci95_hi"] == 1.3765432109876
+    assert not any(k.startswith("eval.kivi-2.ppl_seeds") for k in metrics)
+
+
+def test_dataset_inputs_name_their_source(tmp_path):
+    """Local folder: the calib / eval files; local file: the file for both halves; hub: the splits."""
+    from pipeline.config import DataConfig
+    from pipeline.tracking import dataset_inputs
+
+    windows, data = _windows(), _summary(Path("x"))["data"]
+    (tmp_path / "valid.txt").write_text("calibration text")
+    (tmp_path / "test.txt").write_text("evaluation text")
+
+    def sources(cfg):
+        return {next(t.value for t in i.tags if t.key == "mlflow.data.context"): (i.dataset.source_type,
+                                                                                  json.loads(i.dataset.source))
+                for i in dataset_inputs(cfg, data, windows)}
+
+    assert sources(DataConfig(name="local", source="local", path=str(tmp_path))) == {
+        "calibration": ("local", {"uri": str(tmp_path / "valid.txt")}),
+        "evaluation": ("local", {"uri": str(tmp_path / "test.txt")})}
+    one = str(tmp_path / "valid.txt")
+    assert {v[1]["uri"] for v in sources(DataConfig(source="local", path=one)).values()} == {one}
+    hub = sources(DataConfig(name="hub", source="hub"))
+    assert hub["calibration"][0] == "hugging_face" and hub["calibration"][1]["path"] == "wikitext"
+    assert (hub["calibration"][1]["split"], hub["evaluation"][1]["split"]) == ("validation", "test")
+    (calib, evaluation) = dataset_inputs(DataConfig(), data, windows)
+    assert calib.dataset.digest == windows.calib_sha256[:36] and evaluation.dataset.digest == windows.eval_sha256[:36]
+    assert json.loads(calib.dataset.profile)["features_shape"] == [2, 8]
+    assert json.loads(evaluation.dataset.profile)["features_shape"] == [1, 12]
 
 
 def test_disabled_tracking_touches_no_store(tmp_path, monkeypatch):
@@ -314,6 +420,14 @@ def test_pipeline_run_is_recorded(recorded, client):
     assert not (cwd / "mlruns.db").exists()  # the server got everything
 
 
+def test_pipeline_run_logs_its_datasets_and_evaluation_table(recorded, client, tmp_path):
+    _, run_id, _ = recorded
+    run = client.get_run(run_id)
+    summary = json.loads(Path(run.data.tags["run_dir"], "summary.json").read_text())
+    _check_datasets(run, summary["data"], {"calibration": [2, 32], "evaluation": [1, 32]})  # TINY's windows
+    _check_table(client, run_id, summary["evaluation"]["recipes"], tmp_path)
+
+
 def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
     run = client.get_run(synthetic)
     metrics, tags = run.data.metrics, run.data.tags
@@ -329,6 +443,9 @@ def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
                                          "tokenizer.json", "kvcalib/checkpoint.json")}  # no weight shard
     png = Path(client.download_artifacts(synthetic, "plots/ppl_vs_bits.png", str(tmp_path)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = _summary(Path("x"))
+    _check_datasets(run, summary["data"], {"calibration": [2, 8], "evaluation": [1, 12]})
+    _check_table(client, synthetic, summary["evaluation"]["recipes"], tmp_path)
 
 
 def test_show_prints_lineage(recorded, synthetic, server, client):

@@ -1,6 +1,6 @@
 """The block-wise attention (runtime_check/blockwise.py) on the tiny model: equal to the oracle on real K/V within
 the runtime check's tolerance, equal to the materializing cache through generate(), never building a decoded
-copy of the history, and never copying the stored rows (the cache's pages: runtime_check.cache.PagedRows)."""
+copy of the history, and never copying the stored rows (the cache's pages: exporters.layout.PagedRows)."""
 from dataclasses import replace
 
 import pytest
@@ -11,8 +11,9 @@ from exporters.codec import CachePolicy, TensorPolicy, decode, encode
 from pipeline.check import eval_ids
 from pipeline.config import load_recipe
 from runtime_check import blockwise, reference
-from runtime_check.cache import (HELD_KINDS, ArtifactCache, ArtifactLayer, PagedBlock, generate, join, load,
-                                 slice_rows, store)
+from exporters.layout import PagedBlock, join, load, slice_rows, store
+from runtime_check.blockwise import generate
+from runtime_check.cache import HELD_KINDS, ArtifactCache, ArtifactLayer
 from runtime_check.check import RTOL, check_case, compare, record
 from runtime_check.inputs import from_layer
 from stages import recipe as recipe_stage
@@ -23,8 +24,12 @@ BLOCK = 7  # smaller than the cached rows, not a divisor of them: several blocks
 
 
 def _policy(tiny, calib, name: str) -> CachePolicy:
-    """A recipe's policy on the tiny model, its residual window and KIVI groups shrunk to the test's contexts."""
-    q = load_recipe(name)
+    """A recipe's policy on the tiny model, its residual window and KIVI groups shrunk to the test's contexts;
+    "value-groups": int4-token with per-channel VALUE groups of 4 (and a residual of 6, no multiple of them)."""
+    q = load_recipe("int4-token" if name == "value-groups" else name)
+    if name == "value-groups":
+        q.name, q.value.axis, q.value.group_size, q.residual, q.n_sink = name, "channel", 4, 6, 1
+        recipe_stage.validate_recipe(q)
     pol = recipe_stage.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
     if name.startswith("kivi"):
         layers = [(replace(k, group_size=4), v) for k, v in pol.layers]
@@ -33,31 +38,6 @@ def _policy(tiny, calib, name: str) -> CachePolicy:
 
 
 RECIPES = ["fp16", "fp8-e4m3", "kivi-2", "kvquant-4b-1pct", "int4-token+smooth", "kvquant-3b-1pct+smooth"]
-
-
-@pytest.mark.parametrize("p", [
-    TensorPolicy(format="uniform", bits=3, axis="token"),
-    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
-    TensorPolicy(format="nuq", bits=4, axis="token", codebook=torch.linspace(-1, 1, 16), outlier_fraction=0.05),
-    TensorPolicy(format="nuq", bits=3, axis="channel", codebook=torch.linspace(-1, 1, 8), zero=torch.zeros(3, 16),
-                 range=torch.ones(3, 16), lower=-torch.ones(3, 16), upper=torch.ones(3, 16), outlier_fraction=0.05),
-    TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((3,), 0.01)),
-    TensorPolicy(),
-])
-def test_a_slice_of_stored_rows_decodes_like_those_rows_of_the_whole(p):
-    x = 1.5 * torch.randn(2, 3, 23, 16, generator=torch.Generator().manual_seed(0))
-    block = store(encode(x, p), p, start=5)
-    whole = decode(load(block, p), p)
-    if "outlier_count" in block.tensors:
-        assert block.tensors["outlier_value"].numel() > 10
-    for a, b in ((0, 4), (4, 12), (8, 23), (12, 13), (20, 23), (0, 23)):
-        part = slice_rows(block, a, b, p)
-        assert part.start == 5 + a and part.shape == (2, 3, b - a, 16)
-        assert torch.equal(decode(load(part, p), p), whole[:, :, a:b]), (a, b)
-        assert part.nbytes < block.nbytes or (a, b) == (0, 23)  # views of the slice only
-    if p.format == "uniform" and p.axis == "channel":
-        with pytest.raises(ValueError, match="must start on a group boundary"):
-            slice_rows(block, 3, 9, p)
 
 
 def _nuq(bits: int, axis: str, d: int) -> TensorPolicy:
@@ -137,9 +117,11 @@ def test_blockwise_decode_equals_the_oracle(tiny, calib, name):
         assert compare(blockwise.decode_attention(inp, block=1024), ref)["ok"]
 
 
-def test_blockwise_passes_the_runtime_check(tiny, calib):
-    """As the runtime check runs it: check_case with the block-wise attention as the kernel."""
-    pol = _policy(tiny, calib, "kvquant-3b-1pct+smooth")
+@pytest.mark.parametrize("name", ["kvquant-3b-1pct+smooth", "value-groups"])
+def test_blockwise_passes_the_runtime_check(tiny, calib, name):
+    """As the runtime check runs it: check_case with the block-wise attention as the kernel (value-groups: the
+    cache flushes whole value groups, and both readers slice values on their group boundaries)."""
+    pol = _policy(tiny, calib, name)
     timing = {"kernel_s": 0.0, "oracle_s": 0.0}
     case = check_case(tiny, pol, eval_ids(tiny.tokenizer, 2, 49), None,
                       lambda inp: blockwise.decode_attention(inp, block=BLOCK), timing)
@@ -169,17 +151,38 @@ def _greedy(tiny, pol, ids, n=10, **kw):
     return out.sequences, torch.stack(out.logits, 1), cache
 
 
-@pytest.mark.parametrize("name", ["fp16", "kivi-2", "kvquant-4b-1pct", "kvquant-3b-1pct+smooth"])
+@pytest.mark.parametrize("name", ["fp16", "kivi-2", "kvquant-4b-1pct", "kvquant-3b-1pct+smooth", "value-groups"])
 def test_generate_blockwise_equals_materialize(tiny, calib, name):
     """Greedy generation: attention="blockwise" reading the stored form (prefill "stored": the chunk's own rows
     as stored too) gives the tokens and, to float32 rounding, the logits of the materializing cache."""
-    pol = replace(_policy(tiny, calib, name), residual=4) if name != "kivi-2" else _policy(tiny, calib, name)
+    pol = _policy(tiny, calib, name) if name in ("kivi-2", "value-groups") else replace(_policy(tiny, calib, name),
+                                                                                        residual=4)
     ids = eval_ids(tiny.tokenizer, 2, 30)
     ref_tokens, ref_logits, _ = _greedy(tiny, pol, ids, attention="materialize")
     tokens, logits, cache = _greedy(tiny, pol, ids, attention="blockwise", block=BLOCK, prefill="stored")
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, rtol=1e-4, atol=1e-4 * float(ref_logits.abs().max()))
     assert cache.stats["largest_decode_temporary_bytes"] > 0
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "materialize"])
+def test_generate_serves_a_prefix_policy_after_its_prefix(tiny, attention):
+    """generate() with a policy that has a prefix continues the prompt after the prefix, as the evaluation serves
+    it: an fp16 policy gives the model's own greedy tokens and, to the fp16 rounding of K and V, its logits for
+    prefix + prompt (the prefix cut off again) -- not those of the prompt alone."""
+    ids = eval_ids(tiny.tokenizer, 2, 20)
+    prefix = torch.tensor([tiny.spec.bos_token_id, 17, 23])
+    pol = CachePolicy("fp16+prefix", [(TensorPolicy(), TensorPolicy())] * tiny.spec.n_layers, key_rope="pre",
+                      n_sink=1, prefix_ids=prefix, prefix_len=3)
+    kw = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True,
+          "output_logits": True}
+    want = tiny.model.generate(torch.cat([prefix[None].expand(2, -1), ids], 1), **kw)
+    alone = tiny.model.generate(ids, **kw)
+    got, cache = generate(tiny.model, pol, ids, attention=attention, block=BLOCK, **kw)
+    assert torch.equal(got.sequences, want.sequences[:, 3:]) and cache.get_seq_length() == 3 + 20 + 7
+    logits, want_logits, alone_logits = (torch.stack(x.logits, 1) for x in (got, want, alone))
+    assert torch.allclose(logits, want_logits, atol=2e-3, rtol=1e-3)
+    assert (logits - alone_logits).abs().max() > 100 * (logits - want_logits).abs().max()
 
 
 def test_full_precision_prefill(tiny, calib):

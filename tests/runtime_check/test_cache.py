@@ -1,14 +1,15 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
-from exporters.codec import CachePolicy, CodecError, TensorPolicy, encode, decode, encoded_bits, fake_quant
+from exporters.codec import CachePolicy, CodecError, TensorPolicy, decode, fake_quant, static_bits
+from exporters.layout import PAGE, PagedBlock, join, load, pages_of
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
-from runtime_check.cache import (HELD_KINDS, PAGE, ArtifactCache, PagedBlock, PagedRows, append, check_batch,
-                                 generate, join, load, pages_of, store)
+from runtime_check.blockwise import generate
+from runtime_check.cache import HELD_KINDS, ArtifactCache, check_batch
 from stages.hooks import rope_tables
-
-BOOK4 = torch.linspace(-1, 1, 16)
 
 
 def kvquant_policy(n_layers, h, d, residual=0, bits=4):
@@ -19,43 +20,6 @@ def kvquant_policy(n_layers, h, d, residual=0, bits=4):
                      zero=(upper + lower) / 2, range=(upper - lower) / 2, lower=lower, upper=upper)
     v = TensorPolicy(format="nuq", bits=bits, axis="token", outlier_fraction=0.01, codebook=book)
     return CachePolicy("kvq", [(k, v)] * n_layers, key_rope="pre", n_sink=1, residual=residual)
-
-
-@pytest.mark.parametrize("p", [
-    TensorPolicy(format="uniform", bits=3, axis="token"),
-    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4),
-    TensorPolicy(format="nuq", bits=4, axis="token", codebook=BOOK4, outlier_fraction=0.05),
-    TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=torch.tensor(0.01)),
-    TensorPolicy(),
-])
-def test_stored_bytes_decode_like_the_codec(p):
-    x = torch.randn(2, 3, 8, 16, generator=torch.Generator().manual_seed(0))
-    e = encode(x, p)
-    block = store(e, p, start=5)
-    assert torch.equal(decode(load(block, p), p), decode(e, p))
-    # appending rows block by block decodes like encoding them separately
-    first, second = encode(x[:, :, :4], p), encode(x[:, :, 4:], p)
-    merged = append(store(first, p, 5), store(second, p, 9))
-    assert torch.equal(decode(load(merged, p), p), torch.cat([decode(first, p), decode(second, p)], 2))
-    if p.format in ("uniform", "nuq"):
-        assert block.tensors["codes"].dtype == torch.uint8 and block.tensors["codes"].shape[-1] == 16 * p.bits // 8
-
-
-@pytest.mark.parametrize("p", [
-    TensorPolicy(format="uniform", bits=3, axis="token"),
-    TensorPolicy(format="uniform", bits=2, axis="channel", group_size=3),
-    TensorPolicy(format="uniform", bits=4, axis="token", outlier_fraction=0.05),
-    TensorPolicy(format="nuq", bits=3, axis="token", codebook=torch.linspace(-1, 1, 8), outlier_fraction=0.05),
-    TensorPolicy(format="nuq", bits=2, axis="channel", codebook=torch.linspace(-1, 1, 4), zero=torch.zeros(3, 5),
-                 range=torch.ones(3, 5)),
-    TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((3,), 0.01)),
-    TensorPolicy(),
-])
-def test_stored_bytes_are_the_size_model(p):
-    """What the cache stores, measured, is what codec.encoded_bits counts (d=5: codes do not fill whole bytes)."""
-    x = torch.randn(2, 3, 7, 5, generator=torch.Generator().manual_seed(0))
-    e = encode(x, p)
-    assert store(e, p, start=0).nbytes * 8 == encoded_bits(e, p)
 
 
 def test_fp16_artifact_cache_generates_like_the_model(tiny):
@@ -299,24 +263,90 @@ def test_pages_hold_the_bytes_of_one_block(tiny, which):
     assert acc["reserved_capacity_bytes"] >= 0 and (open_page is None or acc["reserved_capacity_bytes"] > 0)
 
 
-def test_a_page_outgrowing_its_outlier_slots_moves_its_own_lists_only():
-    """Outlier slots are sized from the rate seen so far; rows with more outliers than the open page has slots
-    for move that page's two outlier lists to a larger buffer -- nothing else moves, and the bytes are still
-    those of one block."""
-    ones = torch.ones(2, 8)
-    p = TensorPolicy(format="nuq", bits=4, axis="channel", outlier_fraction=0.01, codebook=BOOK4,
-                     zero=0 * ones, range=ones, lower=-ones, upper=ones)
-    x = 0.1 * torch.randn(1, 2, 12, 8, generator=torch.Generator().manual_seed(0))  # inliers
-    x[:, :, 9, :5] = 3.0                                                              # a row of 10 outliers
-    rows = PagedRows(p, page=8)
-    for a, b in ((0, 8), (8, 9), (9, 10), (10, 12)):
-        if a == 9:
-            full = {name: t.data_ptr() for name, t in rows.sealed[0].tensors.items()}
-            slots, codes = rows.open.out_cap, rows.open.buf["codes"].data_ptr()
-            assert slots < 10
-        rows.write(store(encode(x[:, :, a:b], p), p, a))
-    assert {name: t.data_ptr() for name, t in rows.sealed[0].tensors.items()} == full
-    assert rows.open.buf["codes"].data_ptr() == codes and rows.open.out_cap >= 10 > slots
-    whole = store(encode(x, p), p, 0)
-    assert all(torch.equal(join(rows.pages()).tensors[k], whole.tensors[k]) for k in whole.tensors)
-    assert rows.nbytes == whole.nbytes and rows.reserved_bytes() > 0
+def _storage_bytes(layer) -> int:
+    """Bytes of every storage the layer's stored tensors live in (sink, residual, pages), each storage once."""
+    held = [t for pair in (layer.sink, layer.recent) if pair is not None for t in pair]
+    held += [t for rows in (layer.k_rows, layer.v_rows) for page in rows.pages() for t in page.tensors.values()]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_cache_keeps_its_own_rows_not_the_prefill(tiny, dtype):
+    """After a long prefill the cache holds its sink and residual rows as copies of their own: the storages it
+    keeps alive are exactly the bytes it accounts for (nbytes, less the static tensors, plus the pages' reserved
+    capacity), never the whole prefill chunk its first rows were cut from (fp16 model: the model's own K/V)."""
+    spec = tiny.spec
+    h, d, t = spec.n_kv_heads, spec.head_dim, 300
+    token = TensorPolicy(format="uniform", bits=4, axis="token")
+    policy = CachePolicy("int4", [(token, token)] * spec.n_layers, n_sink=1, residual=4)
+    cache = ArtifactCache(policy, tiny.model)
+    g = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        k, v = (torch.randn(1, h, t, d, generator=g).to(dtype) for _ in range(2))
+        layer.update(k, v)
+        assert layer.sink[0].shape[2] == 1 and layer.recent[0].shape[2] == 4
+        static = sum(static_bits(p) for p in (layer.pk, layer.pv)) // 8
+        assert _storage_bytes(layer) == layer.nbytes() - static + layer.reserved_bytes()
+        assert layer.sink[0].untyped_storage().nbytes() == h * d * 2  # one fp16 row, not the chunk's 300
+    acc = cache.accounting()
+    assert acc["sink"] == spec.n_layers * 2 * h * d * 2  # one fp16 row of K and of V per layer
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_the_layer_holds_what_served_rows_says(window):
+    """Fed in uneven chunks, a layer holds at every step exactly the rows exporters.served_rows gives for its
+    length: sink, encoded and residual counts and (sliding layers) its first position."""
+    from exporters.served_rows import layer_rows
+    from runtime_check.cache import ArtifactLayer
+
+    key = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=2)
+    value = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=3)
+    policy = CachePolicy("groups", [(key, value)], n_sink=2, residual=3)
+    layer = ArtifactLayer(0, policy, rope_fn=None, max_positions=1 << 16, window=window, page=6)
+    rows = layer_rows(policy, 0, window)
+    assert rows.unit == 6 and layer.page == 6
+    g = torch.Generator().manual_seed(3)
+    t = 0
+    for n in [1, 4, 1, 1, 9, 1, 2, 1, 1, 1, 7, 1, 1, 1, 1, 1, 13, 1, 1]:
+        layer.update(torch.randn(1, 2, n, 4, generator=g), torch.randn(1, 2, n, 4, generator=g))
+        t += n
+        held = rows.held(t)
+        got = (layer.start, 0 if layer.sink is None else layer.sink[0].shape[2], layer.k_rows.rows,
+               layer.v_rows.rows, 0 if layer.recent is None else layer.recent[0].shape[2])
+        assert got == (held.start, held.n_sink, held.n_encoded, held.n_encoded, held.n_residual), t
+
+
+def test_a_prefix_policy_is_served_after_its_prefix(tiny):
+    """A policy with a prefix: the cache holds the prefix's P rows from the start (get_seq_length() == P, the
+    model's first token at position P) as fp16 sink rows -- the artifact's rows when given, else computed from
+    the model as the artifact's were -- and again after reset; a prefix for a policy without one is refused."""
+    spec = tiny.spec
+    ids = torch.tensor([spec.bos_token_id, 17, 23])
+    pol = replace(kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim, residual=2), prefix_ids=ids,
+                  prefix_len=3)
+    from stages.prefix_tokens import prefix_kv
+    shipped = prefix_kv(tiny.model, spec, ids)
+    given = ArtifactCache(pol, tiny.model, prefix={"k": shipped["k_post"], "v": shipped["v"]})
+    computed = ArtifactCache(pol, tiny.model)
+    prompt = torch.randint(0, 40000, (2, 9), generator=torch.Generator().manual_seed(0))
+    for cache in (given, computed):
+        assert cache.get_seq_length() == 3
+        with torch.no_grad():
+            tiny.model(prompt, cache=cache)
+        layer = cache.layers[1]
+        assert cache.get_seq_length() == 12 and layer.sink[0].shape == (2, spec.n_kv_heads, 3, spec.head_dim)
+        assert torch.equal(layer.sink[0][1], shipped["k_post"][1].to(torch.float16))
+        assert torch.equal(layer.sink[1][0], shipped["v"][1].to(torch.float16))
+        cache.reset()
+        assert cache.get_seq_length() == 3 and layer.sink is None  # the prefix rows return with the next batch
+    token = TensorPolicy(format="uniform", bits=4, axis="token")  # the ledger counts the prefix rows as sinks too
+    int4 = CachePolicy("int4+prefix", [(token, token)] * spec.n_layers, n_sink=1, residual=2, prefix_ids=ids,
+                       prefix_len=3)
+    cache = ArtifactCache(int4, tiny.model)
+    with torch.no_grad():
+        tiny.model(prompt, cache=cache)
+    assert cache.nbytes() == predict_bytes(int4, 12, spec.n_kv_heads, spec.head_dim, batch=2)
+    assert cache.accounting()["sink"] == spec.n_layers * 2 * 2 * 3 * spec.n_kv_heads * spec.head_dim * 2
+    with pytest.raises(ValueError, match="policy kvq has no prefix"):
+        ArtifactCache(kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim), tiny.model,
+                      prefix={"k": shipped["k_post"], "v": shipped["v"]})

@@ -8,8 +8,8 @@ import torch
 
 from exporters.native import load_artifact
 from pipeline.check import eval_ids
+from exporters.layout import StoredBlock
 from runtime_check import triton_attention
-from runtime_check.cache import StoredBlock
 from runtime_check.check import ATOL, RTOL, KernelFailed, artifact_prefix, check_case, compare, record, tolerance
 
 
@@ -80,6 +80,32 @@ def test_check_case_passes_with_the_kernel(tiny, make_artifact):
     assert case["ok"] and case["max_rel_err"] < 1e-5 and 0 <= case["worst_layer"] < tiny.spec.n_layers
     assert set(case) == {"max_abs_err", "max_rel_err", "worst_layer", "ok"}
     assert timing["kernel_s"] > 0 and timing["oracle_s"] > 0
+
+
+def test_per_channel_value_groups_pass_the_check_end_to_end(tiny, calib, tmp_path):
+    """A recipe with per-channel VALUE groups (validate_recipe takes it) is exported, loaded and checked like any
+    other: the serving cache flushes whole value groups (and whole key groups), and the kernel decodes the
+    values' group scales as the oracle does."""
+    from exporters import manifest as mf
+    from exporters.native import write_artifact
+    from pipeline.config import load_recipe
+    from stages import recipe
+
+    q = load_recipe("kivi-4")
+    q.name, q.value.axis, q.value.group_size, q.residual, q.n_sink = "kivi-value-groups", "channel", 6, 8, 1
+    q.key.group_size = 4  # flush unit lcm(4, 6) = 12
+    recipe.validate_recipe(q)
+    policy = recipe.build_policy(q, tiny.spec.n_layers, calib["plain"])
+    man, tensors = mf.build_manifest(policy, tiny.spec, {"data": {}}, {})
+    artifact = load_artifact(write_artifact(tmp_path / "artifact", man, tensors), tiny.spec)
+    assert [artifact.manifest["layers"][0]["value"][k] for k in ("axis", "group_size")] == ["channel", 6]
+    ids = eval_ids(tiny.tokenizer, 2, 50)
+    inputs = record(tiny, artifact.policy, ids, None)
+    # the prompt's 49 rows: 1 sink, 48 past it of which 36 (3 units, 6 value groups) flushed and 12 recent; the
+    # decoded token's row joins the 12 (flushing in key groups alone would encode 40 rows, a partial value group)
+    assert inputs[0].v_block.shape[2] == inputs[0].k_block.shape[2] == 36 and inputs[0].recent[0].shape[2] == 13
+    case = check_case(tiny, artifact.policy, ids, None, triton_attention.decode_attention, _timing())
+    assert case["ok"] and case["max_rel_err"] < 1e-5, case
 
 
 def _permuted_codebook(inp):

@@ -2,13 +2,12 @@
 the newest token attends (plus, for per-channel key groups, the rest of the oldest group) -- and what it holds is
 exactly what a cache without the window holds for those positions; the byte ledger predicts it; and a model with
 local and global layers (tiny Gemma 3) decodes through the cache as through its own attention."""
-import math
-
 import pytest
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
-from exporters.ledger import key_group, tensor_bytes
+from exporters.ledger import layer_bytes
+from exporters.served_rows import layer_rows
 from runtime_check.blockwise import serving
 from runtime_check.cache import ArtifactCache, ArtifactLayer
 from stages.base import InputError
@@ -22,9 +21,7 @@ def _layer(policy, window, page=4):
 
 def _ledger(policy, t, window):
     pk, pv = policy.layers[0]
-    g = math.lcm(key_group(pk), key_group(pv))
-    return (tensor_bytes(policy, pk, t, H, D, window=window, group=g)
-            + tensor_bytes(policy, pv, t, H, D, key_policy=pk, window=window, group=g))
+    return layer_bytes(layer_rows(policy, 0, window), pk, pv, t, H, D)
 
 
 POLICIES = {
@@ -41,7 +38,7 @@ def test_a_local_layer_holds_its_window_and_what_a_global_layer_holds_there(name
     policy = POLICIES[name]
     local, full = _layer(policy, WINDOW), _layer(policy, None)
     g = torch.Generator().manual_seed(0)
-    group = local.group
+    group = local.rows.unit
     t = 0
     for n in [5, 1, 1, 3, 1, 1, 9, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1]:
         k, v = torch.randn(1, H, n, D, generator=g), torch.randn(1, H, n, D, generator=g)
@@ -65,7 +62,7 @@ def test_a_local_layer_holds_its_window_and_what_a_global_layer_holds_there(name
 def test_a_window_that_cannot_hold_the_residual_buffer_is_refused():
     policy = CachePolicy("r", [(TensorPolicy(format="uniform", bits=4, axis="token"),) * 2], residual=8)
     with pytest.raises(InputError, match=r"sliding window of 8 positions cannot hold the residual buffer of 8 rows "
-                                         r"plus a key group of 1.*got 8 \+ 1 > 8"):
+                                         r"plus a flush unit of 1 .*got 8 \+ 1 > 8"):
         _layer(policy, 8)
 
 

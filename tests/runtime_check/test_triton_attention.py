@@ -7,8 +7,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from exporters.codec import CachePolicy, TensorPolicy, encode, fp8_scale_from_amax
+from exporters.layout import store
 from runtime_check import reference
-from runtime_check.cache import ArtifactCache, store
+from runtime_check.cache import ArtifactCache
 from runtime_check.inputs import DecodeInputs, from_layer
 from runtime_check.triton_attention import decode_attention
 

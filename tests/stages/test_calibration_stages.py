@@ -1,9 +1,13 @@
 import math
+from pathlib import Path
+
 import pytest
 import torch
 
 from exporters.codec import CodecError
-from pipeline.config import QuantConfig, TensorQuantConfig, TracesConfig, load_recipe
+from pipeline.config import load_recipe
+from stages.recipe import QuantConfig, TensorQuantConfig
+from stages.traces import TracesConfig
 from stages import codebooks, fisher, key_scales, outliers, recipe, traces
 from stages.calibration_rows import CalibrationRows
 from stages.base import NonFiniteError
@@ -199,10 +203,24 @@ def test_bits_outside_the_allowed_set():
         recipe.build_policy(q, 1, {})
 
 
-def test_every_recipe_file_loads():
-    for name in ("fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2", "kvquant-4b", "kvquant-3b-1pct", "kvquant-2b-1pct"):
-        q = load_recipe(name)
-        assert q.name == name
+RECIPE_FILES = sorted((Path(__file__).resolve().parents[2] / "conf" / "quant").glob("*.yaml"))
+
+
+def test_the_recipe_folder_is_found():
+    """The parametrized test below runs on a real folder (an empty glob would leave it nothing to check)."""
+    stems = {p.stem for p in RECIPE_FILES}
+    assert {"fp16", "fp8-e4m3", "int4-token", "kivi-2", "kvquant-3b-1pct", "kvquant-4b-1pct+rot"} <= stems, stems
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=lambda p: p.stem)
+def test_every_recipe_file_loads(path):
+    """Every conf/quant/*.yaml loads as a QuantConfig, is named as its file and passes the recipe's own checks."""
+    q = load_recipe(path.stem)
+    assert q.name == path.stem
+    recipe.validate_recipe(q)
+
+
+def test_an_unknown_recipe_is_refused_by_name():
     with pytest.raises(ValueError, match="quant recipe must be one of"):
         load_recipe("int7")
 

@@ -2,7 +2,9 @@ import pytest
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
-from pipeline.config import GateConfig, ProbeConfig, SensitivityConfig
+from stages.gate import GateConfig
+from stages.probes import ProbeConfig
+from stages.sensitivity import SensitivityConfig
 from stages import gate, layer_policy, probes, sensitivity
 
 INT2 = TensorPolicy(format="uniform", bits=2, axis="token")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy
+from exporters.ledger import Ledger
 from pipeline.config import load_recipe
 from stages import evaluate, recipe
 from stages.engine_cache import EngineCacheConfig, quantized_cache, update_steps
@@ -45,7 +46,7 @@ def test_evaluation_is_the_library_decoding_token_by_token(tiny, tiny_windows, n
 def test_bits_are_the_final_state_of_the_cache(tiny, tiny_windows):
     """40 tokens, residual_length 8: flushes at steps 8, 16, 24, 32 -> 33 rows quantized, 7 in full precision.
     Per layer and tensor: 33 rows x 32 elements at 4 bits + 66 groups x (fp16 scale + zero) + 7 x 32 x 16 bits."""
-    led = evaluate._Ledger()
+    led = Ledger()
     with torch.no_grad():
         evaluate.policy_logprobs(tiny.model, tiny_windows.eval[:1, :40], _policy(ENGINE, tiny.spec.n_layers), led)
     per_tensor_bits = 33 * 32 * 4 + 66 * 32 + 7 * 32 * 16

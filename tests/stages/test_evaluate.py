@@ -1,10 +1,12 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from exporters.codec import TensorPolicy
-from pipeline.config import TracesConfig, load_recipe
+from pipeline.config import load_recipe
+from stages.traces import TracesConfig
 from stages import evaluate
 from exporters.codec import CachePolicy
 
@@ -57,21 +59,35 @@ def test_table_lists_every_recipe():
     assert "1.1000" in text and text.index("fp16") < text.index("\nx ")
 
 
+def _served_policy(tiny, calib, name: str) -> CachePolicy:
+    """A recipe's policy on the tiny model, shrunk to its 48-token windows: KIVI's group and residual; "value-groups"
+    is int4-token with per-channel VALUE groups of 8 (validate_recipe takes them; a residual of 4 is no multiple
+    of them); the prefix recipe gets a prefix of 3 tokens, longer than its one sink row."""
+    from stages import recipe
+
+    q = load_recipe("int4-token" if name == "value-groups" else name)
+    if q.key.format == "uniform" and q.key.axis == "channel":  # KIVI: a group and a residual that fit 48 tokens
+        q.key.group_size, q.residual = 8, 16
+    if name == "value-groups":
+        q.name, q.value.axis, q.value.group_size, q.residual, q.n_sink = name, "channel", 8, 4, 1
+        recipe.validate_recipe(q)
+    policy = recipe.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+    if q.prefix:
+        policy = replace(policy, prefix_ids=torch.tensor([tiny.spec.bos_token_id, 17, 23]), prefix_len=3)
+    return policy
+
+
 @pytest.mark.parametrize("recipe_name", ["kvquant-4b-1pct", "kivi-2", "int4-token", "fp8-e4m3",
-                                         "kvquant-3b-1pct+smooth"])
+                                         "kvquant-3b-1pct+smooth", "value-groups", "kvquant-3b-1pct+prefix"])
 def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib, recipe_name):
     """The logits the evaluation computes for a window equal those of decoding the same tokens one at a time
     through runtime_check/cache.py under the same policy (sink rows in fp16, every other row through the codec
-    as stored, the residual buffer's flush rule): max |log-prob difference| <= 2e-4 (float32 rounding of two
-    attention implementations; a wrong row precision, flush or RoPE convention moves it by >= 1e-3)."""
-    from pipeline.config import load_recipe
+    as stored, the residual buffer's flush rule in whole units of K's and V's groups, a prefix's rows first):
+    max |log-prob difference| <= 2e-4 (float32 rounding of two attention implementations; a wrong row
+    precision, flush or RoPE convention moves it by >= 1e-3)."""
     from runtime_check.cache import ArtifactCache
-    from stages import recipe
 
-    q = load_recipe(recipe_name)
-    if q.key.format == "uniform" and q.key.axis == "channel":  # KIVI: a group and a residual that fit 48 tokens
-        q.key.group_size, q.residual = 8, 16
-    policy = recipe.build_policy(q, tiny.spec.n_layers, calib["smooth" if q.smooth else "plain"])
+    policy = _served_policy(tiny, calib, recipe_name)
     for w in range(2):
         ids = tiny_windows.eval[w : w + 1]
         with torch.no_grad():
@@ -80,6 +96,43 @@ def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib
             served = torch.cat([torch.log_softmax(tiny.model(ids[:, i : i + 1], cache=cache).logits[0].float(), -1)
                                 for i in range(ids.shape[1])])
         assert (ours - served).abs().max() <= 2e-4, (recipe_name, float((ours - served).abs().max()))
+    if policy.prefix_len:  # the prefix's rows stay in fp16: they are the layer's first sink rows
+        assert cache.layers[0].sink[0].shape[2] == policy.prefix_len == 3
+
+
+def test_the_outlier_fraction_counts_only_the_layers_that_store_outliers(tiny, tiny_windows, calib, monkeypatch):
+    """A mixed per-layer policy with an fp16 layer (layer_policy with an fp16 option): the measured fraction is
+    the stored outliers over the elements of the tensors that store outliers -- what the manifest then writes as
+    those layers' expected_fraction -- not diluted by the fp16 layer's elements."""
+    from exporters import manifest as mf
+    from stages import layer_policy, recipe
+
+    q = load_recipe("kvquant-3b-1pct")
+    kvq = recipe.build_policy(q, tiny.spec.n_layers, calib["plain"])
+    fp16 = CachePolicy("fp16-pre", [(FP16, FP16)] * tiny.spec.n_layers, key_rope=kvq.key_rope, n_sink=kvq.n_sink,
+                       residual=kvq.residual)
+    mixed = layer_policy.assemble([fp16, kvq], [0, 1], "mixed")  # layer 0 fp16, layer 1 kvquant
+    counted = {"k": [0, 0], "v": [0, 0]}
+    real = evaluate.fake_quant
+
+    def spy(x, p, where="tensor"):  # the codec's own output, counted here: outliers and elements encoded
+        out, e = real(x, p, where)
+        if p.outlier_fraction > 0:
+            c = counted["k" if where.endswith("keys") else "v"]
+            c[0], c[1] = c[0] + e.n_outliers, c[1] + x.numel()
+        return out, e
+
+    monkeypatch.setattr(evaluate, "fake_quant", spy)
+    r = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, tiny_windows.eval, [mixed])).meta["recipes"]["mixed"]
+    n_win, t = tiny_windows.eval.shape
+    per_layer = n_win * (t - mixed.n_sink) * tiny.spec.n_kv_heads * tiny.spec.head_dim
+    assert counted["k"][1] == counted["v"][1] == per_layer and counted["k"][0] > 0  # layer 1's rows only
+    assert r["outlier_fraction_k"] == counted["k"][0] / per_layer
+    assert r["outlier_fraction_v"] == counted["v"][0] / per_layer
+    man, _ = mf.build_manifest(mixed, tiny.spec, {"data": {}}, {"mixed": r})
+    assert "expected_fraction" not in man["layers"][0]["key"]["outliers"]  # fp16: stores none
+    assert man["layers"][1]["key"]["outliers"]["expected_fraction"] == counted["k"][0] / per_layer
+    assert man["layers"][1]["value"]["outliers"]["expected_fraction"] == counted["v"][0] / per_layer
 
 
 def test_ppl_ratio_interval_covers_windows_and_seeds():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from exporters.codec import fake_quant
+from exporters.ledger import Ledger
 from pipeline.config import load_recipe
 from stages import evaluate, recipe
 from stages.hooks import sdpa_attention
@@ -30,7 +31,7 @@ def _qkv(seed):
 def test_quantized_attention_reads_the_codec_output(name, layer, avg_bits):
     policy = recipe.build_policy(load_recipe(name), 6, {})
     rope = {"cos": torch.ones(1, T, D), "sin": torch.zeros(1, T, D)}   # post-RoPE keys: never applied
-    ledger = evaluate._Ledger()
+    ledger = Ledger()
     attn = evaluate.quantized_attention(policy, rope, ledger)
     q, k, v = _qkv(layer)
     out = attn(SimpleNamespace(layer_idx=layer), q, k, v, None, D ** -0.5)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pipeline.app import run_pipeline
-from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, load_recipe
+from pipeline.config import DataConfig, ModelConfig, RunConfig, load_recipe
+from stages.evaluate import EvalConfig
 
 
 def _run(tmp_path, dtype: str, recipe: str):

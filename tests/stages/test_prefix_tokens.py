@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from exporters.codec import CachePolicy, TensorPolicy
 from exporters.rope import apply_rope
-from pipeline.config import PrefixConfig
+from stages.prefix_tokens import PrefixConfig
 from stages import evaluate, prefix_tokens
 from stages.hooks import rope_tables
 
@@ -136,7 +136,9 @@ def test_prefix_recipes_calibrate_on_the_rows_after_the_prefix(tiny):
     """The graph: discovery on the plain traces, a second traces run with the prefix prepended, key stages that
     skip the prefix rows and fit K / lambda for smoothed recipes."""
     from pipeline.app import run_pipeline
-    from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TracesConfig, load_recipe
+    from pipeline.config import DataConfig, ModelConfig, RunConfig, load_recipe
+    from stages.evaluate import EvalConfig
+    from stages.traces import TracesConfig
 
     names = ["kvquant-3b-1pct+smooth+prefix", "fp16", "fp16+prefix"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -167,18 +169,29 @@ def test_prefix_recipes_calibrate_on_the_rows_after_the_prefix(tiny):
     ({"smooth": {"alpha": 2.0}}, r"smooth.alpha must be in \[0, 1\], got 2.0"),
     ({"prefix": {"eta": 1.0}}, r"prefix.eta must be > 1"),
     ({"prefix": {"n_tokens": 5}}, r"prefix.n_tokens=5 asks for a prefix longer than the cap prefix.max_tokens=4"),
-    ({"bos": None}, r"tokenizer of model tiny has no BOS token"),
 ])
-def test_bad_input_is_refused_while_the_graph_is_built(tiny, tiny_windows, override, pattern):
-    """Before any stage runs (build_stages is called before the runner computes anything)."""
+def test_bad_input_is_refused_by_the_validation_pass(override, pattern):
+    """Before anything loads (pipeline.config.validate_run, the first thing run_pipeline does)."""
+    from pipeline.config import RunConfig, load_recipe, validate_run
+    from stages.smooth_attention import SmoothConfig
+
+    cfg = RunConfig(quant=load_recipe("kvquant-3b-1pct+smooth+prefix"),
+                    smooth=SmoothConfig(**override.get("smooth", {})), prefix=PrefixConfig(**override.get("prefix", {})))
+    with pytest.raises(ValueError, match=pattern):
+        validate_run(cfg)
+
+
+def test_a_tokenizer_without_bos_is_refused_before_any_stage_runs(tiny, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from pipeline.app import build_stages
-    from pipeline.config import RunConfig, SmoothConfig, load_recipe
+    import pipeline.app as app
+    from pipeline.config import RunConfig, load_recipe
+    from pipeline.errors import UserError
     from pipeline.model import LoadedModel
 
-    cfg = RunConfig(smooth=SmoothConfig(**override.get("smooth", {})), prefix=PrefixConfig(**override.get("prefix", {})))
-    lm = tiny if "bos" not in override else LoadedModel(tiny.model, tiny.tokenizer, replace(tiny.spec, bos_token_id=None))
-    recipes = [load_recipe("kvquant-3b-1pct+smooth+prefix")]
-    with pytest.raises(ValueError, match=pattern):
-        build_stages(cfg, lm, tiny_windows, recipes)
+    lm = LoadedModel(tiny.model, tiny.tokenizer, replace(tiny.spec, bos_token_id=None))
+    monkeypatch.setattr(app, "load_model", lambda cfg: lm)
+    cfg = RunConfig(quant=load_recipe("kvquant-3b-1pct+smooth+prefix"), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(UserError, match=r"tokenizer of model tiny has no BOS token"):
+        app.run_pipeline(cfg, tmp_path / "run", log=lambda _: None, show_progress=False)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from exporters.codec import CodecError, fake_quant, stored_bits
-from pipeline.config import QuantConfig, TensorQuantConfig, load_recipe, recipe_names
+from pipeline.config import load_recipe, recipe_names
+from stages.recipe import QuantConfig, TensorQuantConfig
 from stages import recipe
 
 VLLM = ["vllm-int8-per-token-head", "vllm-fp8-per-token-head", "vllm-int4-per-token-head", "vllm-turboquant-k8v4",

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from exporters.rope import apply_rope
-from pipeline.config import SmoothConfig, TracesConfig
+from stages.smooth_attention import SmoothConfig
+from stages.traces import TracesConfig
 from stages import smooth_attention, traces
 from stages.hooks import rope_tables
 from stages.hooks import attention_layers, attention_override, forward_hooks, sdpa_attention

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import TracesConfig
+from stages.traces import TracesConfig
 from stages import traces
 from stages.base import NonFiniteError
 

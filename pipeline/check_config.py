@@ -1,0 +1,28 @@
+"""The runtime check's options (pipeline/check.py), in a module of their own: pipeline/config.py composes them into
+RunConfig and pipeline/check.py runs them, and neither imports the other for them (no import circle)."""
+from dataclasses import dataclass, field
+
+from pipeline.errors import UserError
+
+
+@dataclass
+class CheckConfig:
+    """The runtime check after export (pipeline/check.py): Triton kernel vs oracle on real K/V."""
+    enabled: bool = True
+    contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
+    batches: list[int] = field(default_factory=lambda: [1, 2])
+    gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
+
+
+def validate_check_options(contexts: list[int], batches: list[int], max_context: int | None) -> None:
+    """The check's contexts and batch sizes; max_context: the model's positions less the prefix (None: not known yet, check the lower bounds only)."""
+    if not contexts or not batches:
+        raise UserError(f"check.contexts and check.batches must be non-empty, got {contexts} and {batches}")
+    for t in contexts:
+        if t < 1 or (max_context is not None and t >= max_context):
+            upper = "" if max_context is None else f", {max_context - 1}"
+            raise UserError(f"check.contexts: each context must be in [1{upper}] (at most the model's positions less "
+                            f"the prefix and the decoded token), got {t}")
+    for b in batches:
+        if b < 1:
+            raise UserError(f"check.batches: each batch size must be >= 1, got {b}")

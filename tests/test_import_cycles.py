@@ -1,0 +1,106 @@
+"""No import circle anywhere in the product code: the module graph of every import statement of exporters/,
+stages/, runtime_check/, pipeline/ and bench/ (function-local ones and `from package import module` too, read by
+tests/test_layering.py's `imports`) has no strongly connected component of more than one module and no module
+importing itself. Imports under `if TYPE_CHECKING:` never run and are left out. An import names the module it
+loads; a package's __init__.py is a node of its own, reached when it is named (`import stages`, or
+`from stages import x` where x is not a module)."""
+from pathlib import Path
+
+from tests.test_layering import LEVEL, ROOT, imports, module_name
+
+
+def import_graph(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
+    """module -> {product module it imports: ["path:line", ...]}."""
+    paths = {module_name(p, root): p for package in LEVEL for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, path in paths.items():
+        edges = graph.setdefault(name, {})
+        for line, target in imports(path, root, runtime_only=True):
+            if target in paths:
+                edges.setdefault(target, []).append(f"{path.relative_to(root)}:{line}")
+    return graph
+
+
+def components(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Tarjan's strongly connected components, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def circles(root: Path = ROOT) -> list[str]:
+    """One line per circle: its modules, then every import inside it (where, what)."""
+    graph = import_graph(root)
+    found = []
+    for component in components(graph):
+        if len(component) == 1 and component[0] not in graph[component[0]]:
+            continue
+        inside = [f"{where} imports {w}" for v in component for w, wheres in sorted(graph[v].items())
+                  if w in component for where in wheres]
+        found.append(f"{' / '.join(component)}: {'; '.join(inside)}")
+    return sorted(found)
+
+
+def test_no_import_circle():
+    found = circles()
+    assert found == [], "import circles:\n" + "\n".join(found)
+
+
+def test_the_check_catches_every_kind_of_circle(tmp_path):
+    for package in LEVEL:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    files = {
+        # two modules: a top-level `from package import module` and a function-local import
+        "exporters/a.py": "from exporters import b\n",
+        "exporters/b.py": "def f():\n    from exporters.a import X\n",
+        # a module importing itself (relative form)
+        "stages/self_.py": "from . import self_\n",
+        # three modules, one relative import with a level
+        "pipeline/p1.py": "import pipeline.p2\n",
+        "pipeline/p2.py": "from pipeline.p3 import y\n",
+        "pipeline/p3.py": "from .p1 import z\n",
+        # not circles: an import only for type checking, a chain, an outside library
+        "runtime_check/t.py": ("from typing import TYPE_CHECKING\n"
+                               "if TYPE_CHECKING:\n    from runtime_check.u import U\n"),
+        "runtime_check/u.py": "import torch\nfrom runtime_check.t import T\nfrom exporters.a import X\n",
+        "bench/top.py": "from pipeline import p1\nimport typing\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).write_text(text)
+    assert circles(tmp_path) == [
+        "exporters.a / exporters.b: exporters/a.py:1 imports exporters.b; exporters/b.py:2 imports exporters.a",
+        "pipeline.p1 / pipeline.p2 / pipeline.p3: pipeline/p1.py:1 imports pipeline.p2; "
+        "pipeline/p2.py:1 imports pipeline.p3; pipeline/p3.py:1 imports pipeline.p1",
+        "stages.self_: stages/self_.py:1 imports stages.self_",
+    ]
+    (tmp_path / "runtime_check/t.py").write_text("from runtime_check.u import U\n")  # the same import, at run time
+    assert "runtime_check.t / runtime_check.u: runtime_check/t.py:1 imports runtime_check.u; " \
+           "runtime_check/u.py:2 imports runtime_check.t" in circles(tmp_path)
