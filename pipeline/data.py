@@ -7,6 +7,7 @@ first token, followed by seq_len - 1 tokens of text; one that adds nothing (Smol
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,15 @@ class Windows:
         return sha256_tensor(self.eval)
 
 
+def text_file(cfg: DataConfig, calibration: bool) -> Path:
+    """The file a local or embedded source's calibration (or evaluation) text is read from: a folder's calib_file
+    / eval_file, the one file both halves come from, or the embedded pydoc_data.topics module."""
+    if cfg.source == "embedded":
+        return Path(importlib.util.find_spec("pydoc_data.topics").origin)
+    path = Path(cfg.path).expanduser()
+    return path / (cfg.calib_file if calibration else cfg.eval_file) if path.is_dir() else path
+
+
 def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
     """(calibration text, evaluation text, a description of where each came from)."""
     validate_data(cfg)
@@ -45,7 +55,7 @@ def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
             raise UserError(f"data.path={cfg.path!r} does not exist; give a .txt/.jsonl file or a folder "
                             f"holding {cfg.calib_file} and {cfg.eval_file}")
         if path.is_dir():
-            calib_path, eval_path = path / cfg.calib_file, path / cfg.eval_file
+            calib_path, eval_path = text_file(cfg, True), text_file(cfg, False)
             for p in (calib_path, eval_path):
                 if not p.is_file():
                     raise UserError(f"data.path={str(path)!r}: missing {p.name} (data.calib_file / data.eval_file)")

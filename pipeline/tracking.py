@@ -31,7 +31,6 @@ import contextlib
 import csv
 import datetime as dt
 import getpass
-import importlib.util
 import io
 import json
 import os
@@ -51,6 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 import pipeline
 from pipeline import faults
 from pipeline.config import DataConfig, RunConfig, TrackingConfig
+from pipeline.data import text_file
 from pipeline.errors import UserError
 from exporters.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from pipeline.locks import HOST, HOST_ID, pid_alive
@@ -285,8 +285,7 @@ def _cell(value: Any) -> str:
 
 def _dataset_source(data: DataConfig, context: str):
     """Where the text of `context` ("calibration" / "evaluation") came from, as an MLflow dataset source: the
-    hub split, or the local file (pipeline/data.py `load_texts`: a folder's calib_file / eval_file, one file's
-    halves, the embedded pydoc_data.topics module's halves)."""
+    hub split, or the file its text is read from (pipeline.data.text_file)."""
     from mlflow.data.dataset_source_registry import get_dataset_source_from_json
     from mlflow.data.huggingface_dataset_source import HuggingFaceDatasetSource
 
@@ -294,13 +293,7 @@ def _dataset_source(data: DataConfig, context: str):
     if data.source == "hub":
         return HuggingFaceDatasetSource(data.hub_name, config_name=data.hub_config,
                                         split=data.calib_split if calibration else data.eval_split)
-    if data.source == "local":
-        path = Path(data.path).expanduser().resolve()
-        if path.is_dir():
-            path = path / (data.calib_file if calibration else data.eval_file)
-    else:
-        path = Path(importlib.util.find_spec("pydoc_data.topics").origin)
-    return get_dataset_source_from_json(json.dumps({"uri": str(path)}), "local")
+    return get_dataset_source_from_json(json.dumps({"uri": str(text_file(data, calibration).resolve())}), "local")
 
 
 def dataset_inputs(data: DataConfig, described: dict, windows) -> list:

@@ -80,6 +80,16 @@ def _one_unit(ctx: Context, config) -> int:
     return 1
 
 
+def calib_units(ctx: Context, config) -> int:
+    """A progress unit per calibration window."""
+    return ctx.calib.shape[0]
+
+
+def eval_units(ctx: Context, config) -> int:
+    """A progress unit per evaluation window."""
+    return ctx.eval.shape[0]
+
+
 @dataclass(frozen=True)
 class Declaration:
     """A stage, declared once in its module. `fit(ctx, inputs, config, progress) -> StageResult`; `inputs(config)`

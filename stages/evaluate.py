@@ -29,7 +29,7 @@ from exporters.codec import FULL_PRECISION_BITS, CachePolicy, fake_quant
 from exporters.ledger import Ledger
 from exporters.rope import apply_rope, invert_rope
 from exporters.served_rows import layer_rows
-from stages.base import Context, Declaration, StageResult
+from stages.base import Context, Declaration, StageResult, eval_units
 from stages.engine_cache import engine_attention
 from stages.recipe import QuantConfig, inputs_of, recipe_policy
 from stages.hooks import (attend, attention_override, attention_scores, layer_rope, lm_logits, logit_rows,
@@ -342,8 +342,4 @@ def _fit_stage(ctx: Context, inputs: dict, job: EvaluateJob, progress) -> StageR
     return fit(Inputs(ctx.model, ctx.spec, ctx.eval, policies), job.eval, progress)
 
 
-def _n_eval(ctx: Context, job) -> int:
-    return ctx.eval.shape[0]
-
-
-STAGE = Declaration("evaluate", EvaluateJob, _fit_stage, inputs=lambda job: inputs_of(job.recipes), units=_n_eval)
+STAGE = Declaration("evaluate", EvaluateJob, _fit_stage, inputs=lambda job: inputs_of(job.recipes), units=eval_units)

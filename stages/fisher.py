@@ -18,7 +18,7 @@ from typing import Callable, ClassVar, Iterator
 import torch
 import torch.utils.checkpoint
 
-from stages.base import Context, Declaration, InputError, StageResult, check_finite
+from stages.base import Context, Declaration, calib_units, InputError, StageResult, check_finite
 from stages.hooks import attention_layers, forward_hooks, head_rows, key_module, lm_logits, logit_rows, model_device
 from stages.prefix_tokens import prepend
 
@@ -153,10 +153,6 @@ def _fit_prefixed(ctx: Context, inputs: dict, cfg: FisherConfig, progress) -> St
     return fit(Inputs(ctx.model, ctx.spec, windows, tr["res_sample"], tr["res_pos"]), cfg, progress)
 
 
-def _n_calib(ctx: Context, cfg) -> int:
-    return ctx.calib.shape[0]
-
-
-STAGE = Declaration("fisher", FisherConfig, _fit_stage, inputs=lambda c: ["traces"], units=_n_calib)
+STAGE = Declaration("fisher", FisherConfig, _fit_stage, inputs=lambda c: ["traces"], units=calib_units)
 PREFIXED = Declaration("fisher-prefix", FisherConfig, _fit_prefixed, inputs=lambda c: ["prefix_tokens", "traces-prefix"],
-                       units=_n_calib)
+                       units=calib_units)

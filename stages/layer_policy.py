@@ -15,7 +15,7 @@ import torch
 
 from exporters.codec import CachePolicy
 from stages import evaluate
-from stages.base import Context, Declaration, InputError, StageResult
+from stages.base import Context, Declaration, InputError, StageResult, eval_units
 from stages.evaluate import EvalConfig
 from stages.recipe import QuantConfig, inputs_of, recipe_policy
 
@@ -139,4 +139,4 @@ def _fit_mixed(ctx: Context, inputs: dict, job: MixedJob, progress) -> StageResu
 MIXED = Declaration("evaluate-mixed", MixedJob, _fit_mixed,
                     inputs=lambda j: ["evaluate", *(f"sensitivity-calib-{q.name}" for q in j.options),
                                       *inputs_of(j.options)],
-                    units=lambda ctx, j: ctx.eval.shape[0])
+                    units=eval_units)

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from stages.base import Context, Declaration, InputError, StageResult, check_finite
+from stages.base import Context, Declaration, calib_units, InputError, StageResult, check_finite
 from stages.hooks import (attention_layers, attention_override, attention_scores, forward_hooks, head_rows,
                           key_module, model_device, query_module, sdpa_attention)
 from stages.prefix_tokens import prepend
@@ -227,9 +227,5 @@ def _fit_prefixed(ctx: Context, inputs: dict, cfg: TracesConfig, progress) -> St
     return fit(Inputs(ctx.model, ctx.spec, prepend(inputs["prefix_tokens"].tensors["ids"], ctx.calib)), cfg, progress)
 
 
-def _n_calib(ctx: Context, cfg) -> int:
-    return ctx.calib.shape[0]
-
-
-STAGE = Declaration("traces", TracesConfig, _fit_stage, units=_n_calib)
-PREFIXED = Declaration("traces-prefix", TracesConfig, _fit_prefixed, inputs=lambda c: ["prefix_tokens"], units=_n_calib)
+STAGE = Declaration("traces", TracesConfig, _fit_stage, units=calib_units)
+PREFIXED = Declaration("traces-prefix", TracesConfig, _fit_prefixed, inputs=lambda c: ["prefix_tokens"], units=calib_units)
