@@ -3,6 +3,14 @@
 x_rot = x * cos + rotate_half(x) * sin, rotate_half([a, b]) = [-b, a]; cos/sin: [B, T, D] with the
 frequencies repeated for both halves (theta_i = base^(-2i/D), adjusted by the manifest's rope.scaling). The inverse
 rotation uses -sin.
+
+Precision, the one convention of the cache (docs/manifest.md, RoPE): the tables are float32 -- angle = the float32
+product position x inv_freq (float32), cos / sin of it in float32 (rotary_tables, rope_cos_sin; the Triton kernel
+computes the same angle) -- and apply_rope / invert_rope rotate float32 copies of the keys and return float32,
+whatever the model's dtype. The caller rounds to its storage dtype after the rotation: the codec encodes the
+float32 pre-RoPE keys; decoded keys stay float32 for the attention (a bfloat16 model's own attention gets them
+rounded once to its dtype). So inverting at the cache and re-applying at any reader is the identity to float32
+rounding; bfloat16 tables (cos^2 + sin^2 != 1 by ~2^-8) were not.
 """
 from __future__ import annotations
 
@@ -19,10 +27,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, T, D]; cos, sin: [B, T, D] (or [T, D])."""
+    """x: [B, H, T, D] (any float dtype); cos, sin: [B, T, D] (or [T, D]), float32 (rotary_tables) -> x rotated,
+    float32: computed on float32 copies of x and the tables (the module's convention)."""
     if cos.dim() == 2:
         cos, sin = cos[None], sin[None]
-    return x * cos[:, None].to(x.dtype) + rotate_half(x) * sin[:, None].to(x.dtype)
+    x = x.float()
+    return x * cos[:, None].float() + rotate_half(x) * sin[:, None].float()
 
 
 def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,8 +40,9 @@ def invert_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    """The rotary inverse frequencies [D/2] (float64) from the manifest's model.rope: theta^(-2i/D), adjusted by
-    `scaling` (model.rope.scaling, transformers' rope_parameters without rope_theta) as the model's config does:
+    """The rotary inverse frequencies [D/2] (float32) from the manifest's model.rope: 1 / theta^(2i/D), adjusted by
+    `scaling` (model.rope.scaling, transformers' rope_parameters without rope_theta) as the model's config does,
+    every step in float32 in transformers' order (its rotary modules' own inv_freq, to the bit on one machine):
     - {} or rope_type "default": unchanged;
     - "linear" {factor}: divided by factor;
     - "llama3" {factor, low_freq_factor, high_freq_factor, original_max_position_embeddings} (Llama 3.1+): with
@@ -41,7 +52,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) ->
     Any other type, a missing field or an unknown one is refused: a consumer never guesses a position encoding."""
     scaling = dict(scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     need = {"default": (), "linear": ("factor",),
             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in need:
@@ -74,17 +85,21 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) ->
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
                  scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE at integer positions [T] -> cos, sin [T, D] in float32, from the manifest's rope fields alone (theta,
-    scaling: see inv_frequencies). The scaling types here all have attention factor 1 (cos / sin unscaled)."""
+    scaling: see inv_frequencies), as a rotary module computes them (the convention, docs/manifest.md): float32
+    inv_freq, angle = the float32 product position x inv_freq, cos / sin of it in float32. The scaling types here
+    all have attention factor 1 (cos / sin unscaled)."""
     inv_freq = inv_frequencies(head_dim, theta, scaling)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None]
+    angles = positions.float()[:, None] * inv_freq[None]
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos(), angles.sin()
 
 
 def rotary_tables(rotary, start: int, n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [1, n, D] at positions start..start+n-1 from a model's own rotary module (so Llama-3 and other
-    RoPE scalings are honoured), computed for inputs of `dtype` on the module's device. The one definition
-    that evaluation, the oracle and calibration use to rotate keys."""
+    RoPE scalings are honoured), on the module's device: float32 angles and cos / sin, returned in `dtype`. The
+    one definition of the tables that the evaluation, the serving cache, the block-wise reader and the oracle
+    rotate keys with, always in float32 (the default: the module's convention). Another dtype gives what the
+    model's own forward applies in that dtype (calibration rows of post-RoPE recipes imitate it)."""
     device = rotary.inv_freq.device
     positions = torch.arange(start, start + n, device=device)[None]
     return rotary(torch.zeros(1, n, 1, dtype=dtype, device=device), positions)

@@ -46,6 +46,24 @@ def device_name() -> str:
     return "cpu (TRITON_INTERPRET=1)"
 
 
+def triton_kernel(native: bool) -> Callable:
+    """The attention under test: DecodeInputs -> [B, H_q, D] by the Triton kernel, launched on the device of each
+    layer's inputs -- under a device_map the layer's own GPU, never the first GPU for every layer. Inputs on the
+    CPU of a GPU machine (a model on the CPU) go to the current GPU, copied as stored (triton_attention.prepare);
+    without a GPU the kernel runs on the CPU in Triton's interpreter, in few large tiles (its cost is per tile)."""
+    import torch
+
+    from runtime_check import triton_attention
+
+    block_t = 32 if native else 256
+
+    def kernel(inp):
+        device = inp.q.device if inp.q.device.type == "cuda" or not native else torch.device("cuda")
+        return triton_attention.decode_attention(inp, block_t=block_t, device=device)
+
+    return kernel
+
+
 def model_config_for(manifest: dict):
     """The model the artifact names: conf/model/<name>.yaml (tiny, smollm2, llama3, ...)."""
     from pipeline.config import load_model_config, model_names
@@ -84,13 +102,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     from exporters.native import load_artifact, update_manifest
     from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
-    if kernel is None:
-        from runtime_check.triton_attention import decode_attention
-        block_t = 32 if native else 256  # the interpreter's cost is per tile op: few large tiles on the CPU
-
-        def kernel(inp):
-            return decode_attention(inp, block_t=block_t)
-
+    kernel = kernel or triton_kernel(native)
     cfg = cfg or CheckConfig()
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
@@ -165,5 +177,5 @@ def main(args: list[str]) -> int:
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 
 
-__all__ = ["run_check", "main", "model_config_for", "eval_ids", "ensure_backend", "device_name",
+__all__ = ["run_check", "main", "triton_kernel", "model_config_for", "eval_ids", "ensure_backend", "device_name",
            "RuntimeCheckError"]

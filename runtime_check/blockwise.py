@@ -22,10 +22,12 @@ Serving (`serving`, `layer_attention`): installed through transformers' attentio
 (stages.hooks.attention_override), the attention finds the cache layer by module.layer_idx. A single new token
 (T_q == 1) reads exactly what the cache stores, its own row included once stored (so it equals
 runtime_check/reference.py's oracle); on CUDA that step is the Triton kernel, the GPU path of the same
-function. A chunk of T_q > 1 new tokens (prefill) reads the history before it from the stored form and, by
-default, its own rows in full precision as engines do (prefill="stored": as stored, what the materializing
-cache gives); on CPU, with no mask, each history block and the own rows go through torch's fused attention
-(its log-sum-exp merged by the same online-softmax rule), so a prefill chunk never holds [T_q, n] scores.
+function, wherever the kernel reads the inputs exactly (use_kernel; else this torch path). A chunk of T_q > 1
+new tokens (prefill) reads the history before it from the stored form and, by default, its own rows in full
+precision as engines do (prefill="stored": as stored, what the materializing cache gives); with no mask, each
+history block and the own rows go through torch's fused attention -- on CPU its flash kernel, on CUDA its
+memory-efficient one -- its log-sum-exp merged by the same online-softmax rule, so a prefill chunk never holds
+[T_q, n] scores.
 Serving registers stages.hooks.serving_mask: transformers passes None for an unpadded causal batch (the rule
 applied by position here), never a [T_q, T_k] mask.
 """
@@ -46,7 +48,8 @@ from runtime_check.cache import BLOCK, ArtifactCache, ArtifactLayer, check_batch
 from runtime_check.inputs import DecodeInputs, from_layer
 from stages.base import InputError
 
-__all__ = ["BLOCK", "attend", "decode_attention", "generate", "layer_attention", "serving", "stored_blocks"]
+__all__ = ["BLOCK", "attend", "decode_attention", "generate", "layer_attention", "serving", "stored_blocks",
+           "use_kernel"]
 
 
 def _row_step(inp: DecodeInputs, block: int) -> int:
@@ -159,14 +162,14 @@ def rope_at(rotary: torch.nn.Module, start: int, n: int, device: torch.device) -
     Recomputed when inv_freq changes; rotary modules that rescale with the sequence length ("dynamic" rope types)
     compute every call. The table is held beside the cache (positions x D x 8 bytes: 16 MB at 32k, D = 64)."""
     if "dynamic" in str(getattr(rotary, "rope_type", "")):
-        cos, sin = rotary_tables(rotary, start, n, torch.float32)
-        return cos[0].float().to(device), sin[0].float().to(device)
+        cos, sin = rotary_tables(rotary, start, n)  # float32: exporters/rope.py's convention
+        return cos[0].to(device), sin[0].to(device)
     key = (rotary.inv_freq.data_ptr(), rotary.inv_freq._version, str(device))
     held = _ROPE.get(rotary)
     end = start + n
     if held is None or held[0] != key or held[1].shape[0] < end:
-        cos, sin = rotary_tables(rotary, 0, max(4096, end + end // 4), torch.float32)
-        held = _ROPE[rotary] = (key, cos[0].float().to(device), sin[0].float().to(device))
+        cos, sin = rotary_tables(rotary, 0, max(4096, end + end // 4))
+        held = _ROPE[rotary] = (key, cos[0].to(device), sin[0].to(device))
     return held[1][start:end], held[2][start:end]
 
 
@@ -251,12 +254,26 @@ def _on_device(inp: DecodeInputs, device: torch.device) -> DecodeInputs:
                    smooth=None if inp.smooth is None else inp.smooth.to(device))
 
 
-def _fused_op(device: torch.device):
-    """torch's fused CPU attention that also returns the log-sum-exp of each query's scores (what merging a block
-    into the online softmax needs), or None where there is none."""
-    if device.type != "cpu":
-        return None
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+def _fused_op(device: torch.device, head_dim: int):
+    """torch's fused attention that also returns the log-sum-exp of each query's scores (what merging a block into
+    the online softmax needs) -- op(q, k, v, is_causal=False, scale=None) -> (output, lse, ...) -- or None where
+    there is none: on CPU the flash kernel, on CUDA the memory-efficient one (_cuda_fused; head_dim a multiple of
+    8, its alignment)."""
+    if device.type == "cpu":
+        return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if device.type == "cuda" and head_dim % 8 == 0:
+        return _cuda_fused
+    return None
+
+
+def _cuda_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's memory-efficient CUDA attention on float32 q [B, H, M, D], k, v [B, H, n, D] (the flash kernel takes
+    half precision only) -> output [B, H, M, D] and the natural log-sum-exp [B, H, M] of each query's scaled
+    scores, which the kernel pads to a multiple of 32 queries."""
+    o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                    scale=scale)[:2]
+    return o, lse[..., :q.shape[-2]]
 
 
 def _merge(state, o: torch.Tensor, lse: torch.Tensor):
@@ -281,12 +298,12 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     its scores and probabilities, the query, running max / sum and accumulator; the codec's transient tensors
     while decoding a block come on top). -> [B, H_q, T_q, D] float32.
 
-    Fused where it applies: a chunk of T_q > 1 queries with no mask (causal by position) on CPU has each
-    block of rows wholly before its queries attended by torch's fused CPU attention, which returns the block's
-    output and log-sum-exp without holding its [T_q, n] scores, merged by the same rule; its own rows (q_start ==
-    limit: the rows at the queries' positions) as one causal fused call. The same arithmetic up to float rounding
-    (tests/runtime_check/test_blockwise.py); everything else -- single tokens, masks, other devices -- the scores
-    of each block in float32, as the Triton kernel."""
+    Fused where it applies: a chunk of T_q > 1 queries with no mask (causal by position), on CPU or CUDA
+    (_fused_op), has each block of rows wholly before its queries attended by torch's fused attention, which
+    returns the block's output and log-sum-exp without holding its [T_q, n] scores, merged by the same rule; its
+    own rows (q_start == limit: the rows at the queries' positions) as one causal fused call. The same arithmetic
+    up to float rounding (tests/runtime_check/test_blockwise.py); everything else -- single tokens, masks, other
+    devices -- the scores of each block in float32, as the Triton kernel."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     b, h_q, t_q, d = query.shape
@@ -300,7 +317,7 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
         raise ValueError(f"the mask covers {mask.shape[-1]} key positions from {mask_offset}, the attention reads "
                          f"up to {limit + n_own}")
     g = h_q // h_kv
-    op = _fused_op(device) if t_q > 1 and mask is None else None
+    op = _fused_op(device, d) if t_q > 1 and mask is None else None
     q = query.float().reshape(b, h_kv, g, t_q, d).contiguous()
     q_pos = torch.arange(q_start, q_start + t_q, device=device)
     m = torch.full((b, h_kv, g, t_q), float("-inf"), device=device)
@@ -375,7 +392,7 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
                     stats: dict | None = None, kernel: bool | None = None) -> torch.Tensor:
     """One attention layer's output over the cache layer, after its `update` stored the T_q new rows (key,
     value: those rows as the model computed them, what a block-wise layer's update returns). -> [B, H_q, T_q, D]
-    float32. T_q == 1: every stored row, the new one included (on CUDA the Triton kernel unless kernel=False).
+    float32. T_q == 1: every stored row, the new one included (through the Triton kernel where use_kernel says).
     T_q > 1: the rows before the chunk as stored, then the chunk's own rows in full precision (prefill="full")
     or as stored (prefill="stored"), causally. A sliding-window layer (layer.window) reads through its window's
     mask (transformers' sliding mask, from layer.mask_offset; built here when none is given) and, once the step
@@ -394,8 +411,8 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
         mask = window_mask(history, t_q, offset, layer.window, query.device)
     common = dict(mask=mask, block=block, stats=stats, mask_offset=offset)
     if t_q == 1:
-        if (kernel or (kernel is None and query.is_cuda)) and layer.start >= offset:
-            from runtime_check import triton_attention  # imports triton: only where the kernel runs
+        if use_kernel(kernel, query.device, layer.start >= offset, inp):
+            from runtime_check import triton_attention
 
             out = triton_attention.decode_attention(inp, device=query.device)[:, :, None]
         else:
@@ -409,6 +426,18 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
         out = attend(inp, query, scaling, limit=history, q_start=history, own=(key, value), **common)
     layer.end_step()
     return out
+
+
+def use_kernel(kernel: bool | None, device: torch.device, reads_every_row: bool, inp: DecodeInputs) -> bool:
+    """Whether a single-token step goes through the Triton kernel: when asked (kernel=True) or, by default, on
+    CUDA; only when every row held is one the token reads (the kernel reads every row it is given) and the kernel
+    reads these inputs exactly (triton_attention.refusal: head_dim a power of two, pre-RoPE keys within its exact
+    RoPE range). Otherwise the torch path, the same arithmetic."""
+    if not (kernel if kernel is not None else device.type == "cuda") or not reads_every_row:
+        return False
+    from runtime_check import triton_attention  # imports triton: only where the kernel may run
+
+    return triton_attention.refusal(inp) is None
 
 
 def window_mask(history: int, t_q: int, offset: int, window: int, device) -> torch.Tensor:

@@ -10,7 +10,10 @@ no second copy of the history is ever made. `layer.k_block` / `v_block` view the
 residual rows are copies of their own: never views of the chunk they arrived in.
 Keys arrive post-RoPE (transformers 5 passes no cos/sin to Cache.update); for a pre-RoPE artifact the cache
 inverts RoPE at the stored positions with the model's own rotary module before encoding and re-applies it after
-decoding. SmoothAttention: the cache stores K / lambda and multiplies back.
+decoding, in exporters/rope.py's convention whatever the model's dtype: float32 tables, float32 copies of the keys
+(the fp16 rows as received), the codec encoding the float32 result; decoded keys are float32 until `materialize`
+rounds the whole history once to the model's dtype for its own attention (the block-wise reader keeps float32).
+SmoothAttention: the cache stores K / lambda and multiplies back.
 
 Which rows are sink, encoded or residual at every step, when the residual buffer flushes (whole units of K's and
 V's groups) and what a sliding-window layer keeps are exporters/served_rows.py's (LayerRows), the definition the
@@ -314,7 +317,8 @@ class ArtifactLayer(CacheLayerMixin):
         raise NotImplementedError(_NO_PREFETCH)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All cached rows decoded: post-RoPE keys and values [B, H, T, D] in the model's dtype."""
+        """All cached rows decoded: post-RoPE keys and values [B, H, T, D] in the model's dtype (decoded and rotated
+        in float32, rounded once here: what the model's own attention reads)."""
         ks, vs = [], []
         if self.sink is not None:
             ks.append(self.sink[0].float())
@@ -372,13 +376,12 @@ class ArtifactCache(Cache):
             check_exportable(pv, f"ArtifactCache: layer {i} values")
         from stages.hooks import layer_windows, model_rotaries
 
-        dtype = next(model.parameters()).dtype
-
         def rope_fn_of(rotary):
             def rope_fn(start: int, n: int, device: torch.device):
-                """cos, sin [n, D] float32 at positions start.., computed on the rotary module's device, on `device`."""
-                cos, sin = rotary_tables(rotary, start, n, dtype)
-                return cos[0].float().to(device), sin[0].float().to(device)
+                """cos, sin [n, D] float32 at positions start.. (exporters.rope's convention, whatever the model's
+                dtype), computed on the rotary module's device, on `device`."""
+                cos, sin = rotary_tables(rotary, start, n)
+                return cos[0].to(device), sin[0].to(device)
             return rope_fn
 
         max_positions = int(model.config.max_position_embeddings)

@@ -6,6 +6,12 @@ under test (by default the Triton kernel, runtime_check/triton_attention.py) and
 (runtime_check/reference.py) over the same stored cache in every layer, and `compare` measures them against
 the bound `tolerance` states and justifies. Loading the model and text, choosing the cases and writing the
 result into the manifest is pipeline/check.py's work.
+
+Devices: each layer's decode inputs -- its query, its cache rows, its policy tensors -- are on the device that
+layer runs on (under accelerate's device_map, its own GPU); the oracle computes there, and `compare` reads its
+figures as Python numbers: no activation is moved off its layer's device (tests/runtime_check/
+test_device_placement.py runs it on two emulated GPUs). A figure is never NaN or infinite: outputs that are not
+finite fail the case with that cause (KernelFailed), so the record stays JSON.
 """
 from __future__ import annotations
 
@@ -32,8 +38,6 @@ def tolerance(manifest: dict) -> tuple[dict, str]:
              "torch.softmax)"]
     if manifest["cache"]["key_rope"] == "pre" and any(k["format"] != "fp16" for k in keys):
         terms.append("in-kernel cos/sin of position * inv_freq (range-reduced) vs the model's rotary module")
-    if manifest["cache"]["smoothing"]:
-        terms.append("lambda folded into q instead of multiplied into decoded keys")
     formats = sorted({layer[kind]["format"] for layer in manifest["layers"] for kind in ("key", "value")})
     reason = (f"formats {'/'.join(formats)}: kernel and oracle decode identical stored bytes (packed codes, fp16 "
               f"scales, zero-points and outliers, fp8 bytes, fp16 sink and residual rows) to identical float32 "
@@ -53,17 +57,17 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
     cache serves at positions 0..P-1 before the ids (ArtifactCache(..., prefix=...)); None for a policy without
     a prefix, or to have the cache compute them from the model."""
     from runtime_check.cache import ArtifactCache
-    from runtime_check.inputs import from_layer
-    from stages.hooks import attention_override, eager_attention, model_rotaries
+    from runtime_check.inputs import from_layer, inputs_to
+    from stages.hooks import attention_override, eager_attention, model_device, model_rotaries
 
     model = lm.model
-    device = next(model.parameters()).device
-    ids = ids.to(device)
+    ids = ids.to(model_device(model))
     cache = ArtifactCache(policy, model, prefix=prefix)
     queries: dict[int, tuple[torch.Tensor, float]] = {}
 
     def capture(module, query, key, value, mask, scaling):
-        queries[module.layer_idx] = (query[:, :, -1].detach().float().cpu(), float(scaling))
+        # [B, H_q, D] kept where the layer computed it: beside the layer's cache rows
+        queries[module.layer_idx] = (query[:, :, -1].detach().float(), float(scaling))
         return eager_attention(query, key, value, mask, scaling)
 
     with torch.no_grad():
@@ -71,26 +75,43 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
         with attention_override(model, capture):
             model(ids[:, -1:], cache=cache)
     rotaries = model_rotaries(model)  # each layer's own RoPE (local and global layers may differ)
-    return [from_layer(layer, queries[i][0], queries[i][1], rotaries[i]) for i, layer in enumerate(cache.layers)]
+    inputs = []
+    for i, layer in enumerate(cache.layers):
+        q, scaling = queries[i]
+        # every tensor of the layer's inputs on its query's device, the layer's (lambda is stored on CPU)
+        inputs.append(inputs_to(from_layer(layer, q, scaling, rotaries[i]), q.device))
+    return inputs
+
+
+def non_finite(out: torch.Tensor, name: str) -> str | None:
+    """Why the `name` ("kernel", "oracle") output cannot be compared -- it holds NaN or infinite values -- or None.
+    It reads a number of the output: on a GPU, it waits for the launch that computes it."""
+    bad = int((~torch.isfinite(out)).sum())
+    return f"the {name}'s output holds {bad} non-finite values (NaN or inf) of {out.numel()}" if bad else None
 
 
 def compare(kernel_out: torch.Tensor, oracle_out: torch.Tensor) -> dict:
-    diff = (kernel_out.detach().float().cpu() - oracle_out.float()).abs()
+    """The bound (see tolerance) on one layer's outputs [B, H_q, D] -> {max_abs_err, max_rel_err, scale, ok}. The
+    kernel's output is taken to the oracle's device (a no-op where the kernel ran on the layer's); only Python
+    numbers leave it. Outputs that are not finite are not ok and have no figures (None; non_finite says why)."""
+    if non_finite(kernel_out, "kernel") or non_finite(oracle_out, "oracle"):
+        return {"max_abs_err": None, "max_rel_err": None, "scale": None, "ok": False}
+    diff = (kernel_out.detach().float().to(oracle_out.device) - oracle_out.float()).abs()
     scale = float(oracle_out.abs().max())
-    finite = bool(torch.isfinite(kernel_out).all())
-    max_abs = float(diff.max()) if finite else float("inf")
+    max_abs = float(diff.max())
     return {"max_abs_err": max_abs, "max_rel_err": max_abs / max(scale, ATOL), "scale": scale,
-            "ok": finite and max_abs <= ATOL + RTOL * scale}
+            "ok": max_abs <= ATOL + RTOL * scale}
 
 
 class KernelFailed(Exception):
-    """The kernel raised: a failed check, recorded with its cause."""
+    """The kernel raised, or an output was not finite: a failed check, recorded with its cause."""
 
 
 def check_case(lm, policy, ids: torch.Tensor, prefix: dict | None, kernel: Callable, timing: dict) -> dict:
     """Every layer of one (context, batch): kernel vs oracle -> the worst layer's errors. lm: the model bundle
-    (`.model`); ids [B, T + 1]; kernel: DecodeInputs -> [B, H_q, D]; timing: {"kernel_s", "oracle_s"}, added to.
-    A kernel that raises raises KernelFailed naming the layer."""
+    (`.model`); ids [B, T + 1]; kernel: DecodeInputs -> [B, H_q, D] on the inputs' device; timing: {"kernel_s",
+    "oracle_s"}, added to. A kernel that raises, or a kernel or oracle output that is not finite, raises
+    KernelFailed naming the layer and the cause."""
     from runtime_check import reference
 
     worst = None
@@ -100,17 +121,21 @@ def check_case(lm, policy, ids: torch.Tensor, prefix: dict | None, kernel: Calla
             out = kernel(inp)
         except Exception as exc:  # noqa: BLE001 -- any kernel failure is a check failure, never a crash
             raise KernelFailed(f"layer {i}: {type(exc).__name__}: {exc}") from exc
+        cause = non_finite(out, "kernel")  # inside the timing: a GPU launch returns before it has computed
         timing["kernel_s"] += time.perf_counter() - start
         start = time.perf_counter()
         ref = reference.decode_attention(inp)
+        cause = cause or non_finite(ref, "oracle")
         timing["oracle_s"] += time.perf_counter() - start
+        if cause:
+            raise KernelFailed(f"layer {i}: {cause}")
         res = compare(out, ref) | {"worst_layer": i}
         if worst is None or (not res["ok"], res["max_rel_err"]) > (not worst["ok"], worst["max_rel_err"]):
             worst = res
     return {k: worst[k] for k in ("max_abs_err", "max_rel_err", "worst_layer", "ok")}
 
 
-__all__ = ["ATOL", "RTOL", "tolerance", "record", "compare", "check_case", "KernelFailed"]
+__all__ = ["ATOL", "RTOL", "tolerance", "record", "compare", "non_finite", "check_case", "KernelFailed"]
 
 
 def artifact_prefix(artifact) -> dict | None:

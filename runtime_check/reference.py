@@ -25,9 +25,9 @@ def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if inp.smooth is not None:
             k = k * inp.smooth.float()[None, :, None, :]
         if inp.key_rope == "pre":
-            # float32 tables even when the model runs in half precision: stored keys rotate at full precision
-            cos, sin = rotary_tables(inp.rotary, inp.k_block.start, k.shape[2], torch.float32)
-            k = apply_rope(k, cos[0].float().to(k.device), sin[0].float().to(k.device))
+            # float32 tables and rotation whatever the model's dtype (exporters/rope.py's convention)
+            cos, sin = rotary_tables(inp.rotary, inp.k_block.start, k.shape[2])
+            k = apply_rope(k, cos[0].to(k.device), sin[0].to(k.device))
         ks.append(k)
         vs.append(decode(load(join(pages_of(inp.v_block)), inp.value_policy), inp.value_policy))
     if inp.recent is not None:

@@ -97,13 +97,28 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
     """An attention function (see stages.hooks) that reads the cache exactly as runtime_check/cache.py serves it
     when the tokens are decoded one at a time: K/V rounded to fp16; the sink rows (max(n_sink, prefix)) kept so;
     every other row through the codec (pre-RoPE recipes: RoPE inverted at the row's position first, then
-    re-applied after decoding; smoothed keys divided by lambda before encoding and multiplied after); and the
-    residual buffer -- query t reads in fp16 exactly the rows the cache still holds unflushed when t is decoded
-    (exporters.served_rows.LayerRows.encoded_end). A sliding layer's window is the model's own mask."""
+    re-applied after decoding, in exporters/rope.py's float32 convention; smoothed keys divided by lambda before
+    encoding and multiplied after); and the residual buffer -- query t reads in fp16 exactly the rows the cache
+    still holds unflushed when t is decoded (exporters.served_rows.LayerRows.encoded_end). The served K/V stay
+    float32 and the attention is computed in float32, as the block-wise reader and the oracle read the cache;
+    only its output returns in the model's dtype. A sliding layer's window is the model's own mask.
+
+    policy and rope may be anywhere (policies are stored on CPU): each layer's calibrated tensors, lambda and RoPE
+    table are moved once to the device its keys arrive on, that layer's own (under a device_map, its GPU)."""
+    placed: dict[tuple[int, torch.device], tuple] = {}
+
+    def layer_state(layer: int, device: torch.device) -> tuple:
+        """(pk, pv, lambda [1, H, 1, D] or None, (cos, sin) [1, T, D]) of one layer, on `device`."""
+        if (layer, device) not in placed:
+            pk, pv = policy.layers[layer]
+            lam = None if policy.smooth is None else policy.smooth[layer].float().to(device)[None, :, None, :]
+            placed[layer, device] = (pk.to(device), pv.to(device), lam,
+                                     tuple(x.to(device) for x in layer_rope(rope, layer)))
+        return placed[layer, device]
 
     def attn(module, query, key, value, mask, scaling):
         layer = module.layer_idx
-        pk, pv = policy.layers[layer]
+        pk, pv, lam, table = layer_state(layer, key.device)
         rows = layer_rows(policy, layer)
         b, h, t, d = key.shape
         s = rows.sink_end(t)
@@ -113,10 +128,9 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
             v_in = torch.cat([v_in[:, :, :s], perturb(v_in[:, :, s:])], 2)
         k16, v16 = _served_rows(k_in), _served_rows(v_in)             # post-RoPE keys, values [B, H, T, D]
         k_src = k16[:, :, s:]
-        cos, sin = (x[:, s:t] for x in layer_rope(rope, layer))  # this layer's table (local / global RoPE)
+        cos, sin = (x[:, s:t] for x in table)  # this layer's table (local / global RoPE)
         if policy.key_rope == "pre":
             k_src = invert_rope(k_src, cos, sin)
-        lam = policy.smooth[layer].float().to(key.device)[None, :, None, :] if policy.smooth is not None else None
         if lam is not None:
             k_src = k_src / lam  # the cache stores K / lambda (rope pairs share lambda, so RoPE commutes)
         k_q, ek = fake_quant(k_src, pk, f"layer {layer} keys")
@@ -125,15 +139,14 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
             k_q = k_q * lam
         if policy.key_rope == "pre":
             k_q = apply_rope(k_q, cos, sin)
-        k_hat = torch.cat([k16[:, :, :s], k_q], 2).to(key.dtype)
-        v_hat = torch.cat([v16[:, :, :s], v_q], 2).to(value.dtype)
+        k_hat = torch.cat([k16[:, :, :s], k_q], 2)  # float32, as the cache's readers decode them (any model dtype)
+        v_hat = torch.cat([v16[:, :, :s], v_q], 2)
         if ledger is not None:
             held = rows.held(t)
             for kind, e, p in (("k", ek, pk), ("v", ev, pv)):
                 ledger.add(kind, e, p, rows_q=held.n_encoded, rows_full=held.n_full_precision, per_row=b * h * d)
         if not rows.holds_back:  # every row past the sinks is read encoded from the step it arrives
-            return sdpa_attention(query, k_hat, v_hat, mask, scaling)
-        k16, v16 = k16.to(key.dtype), v16.to(value.dtype)
+            return sdpa_attention(query.float(), k_hat, v_hat, mask, scaling).to(query.dtype)
         t_q = query.shape[2]
         outs = []
         for c in range(0, t_q, QUERY_CHUNK):  # query chunks bound the [T_q, T] score matrices at long context
@@ -163,14 +176,14 @@ def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy
                   perturb: Perturbation | None = None) -> torch.Tensor:
     """ids [1, T] -> the final hidden states [T, hidden] on the window's own positions with the cache served
     under `policy` (after its prefix, if it has one); the head is applied chunk by chunk by the caller. The
-    policy's calibrated tensors are moved to the activations' device (policies are stored on CPU)."""
+    policy's calibrated tensors follow each layer to its own device (quantized_attention)."""
     run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
     if policy.is_full_precision:
         return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
     if policy.engine is not None:  # a library's own cache, served through that library
         attn = engine_attention(policy.engine, model.config, ledger, perturb)
     else:
-        attn = quantized_attention(policy.to(run_ids.device), rope_tables(model, run_ids), ledger, perturb)
+        attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
     with attention_override(model, attn):
         return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
 
@@ -195,12 +208,12 @@ class _WindowMetrics:
         t, vocab = ref_hidden.shape[0], model.config.vocab_size
         self.step = logit_rows(vocab)
         self.held = [] if t * vocab * 4 <= REF_HOLD_BYTES else None
-        self.ref_top = torch.empty(t, dtype=torch.int64, device=ref_hidden.device)
-        self.ref_nll = 0.0
+        tops, self.ref_nll = [], 0.0
         for i, c in enumerate(range(0, t, self.step)):
             ref = self._ref(i, c, fresh=True)
-            self.ref_top[c : c + self.step] = ref.argmax(-1)
+            tops.append(ref.argmax(-1))
             self.ref_nll += self._nll(ref, c)
+        self.ref_top = torch.cat(tops)  # [T], where the head computes (under a device_map: not the ids' device)
 
     def _ref(self, i: int, c: int, fresh: bool = False) -> torch.Tensor:
         if not fresh and self.held is not None:
@@ -211,7 +224,7 @@ class _WindowMetrics:
         return ref
 
     def _nll(self, logp: torch.Tensor, c: int) -> float:
-        tgt = self.targets[c : c + self.step]  # the last position predicts nothing
+        tgt = self.targets[c : c + self.step].to(logp.device)  # the last position predicts nothing
         return -float(logp[: tgt.numel()].gather(1, tgt[:, None]).sum())
 
     def of(self, hidden: torch.Tensor | None) -> tuple[float, float, int]:

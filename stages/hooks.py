@@ -174,15 +174,15 @@ def model_rotaries(model: torch.nn.Module) -> list:
 
 
 def rope_tables(model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """RoPE tables at positions 0..T-1 of ids [B, T], in the model's dtype (what its attention applies):
+    """RoPE tables at positions 0..T-1 of ids [B, T], float32 whatever the model's dtype (exporters/rope.py's
+    convention, the tables the serving cache and its readers rotate stored keys with):
     {"layers": [(cos, sin) [1, T, D] per layer]} (layers sharing a rotary module share the tensors), plus
     {"cos", "sin"} when every layer uses the same table. Read a layer's with layer_rope."""
-    dtype = next(model.parameters()).dtype
     tables: dict = {}
     layers = []
     for rotary in model_rotaries(model):
         if rotary not in tables:
-            cos, sin = rotary_tables(rotary, 0, ids.shape[1], dtype)
+            cos, sin = rotary_tables(rotary, 0, ids.shape[1])
             tables[rotary] = (cos.to(ids.device), sin.to(ids.device))
         layers.append(tables[rotary])
     out: dict = {"layers": layers}

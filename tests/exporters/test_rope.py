@@ -1,5 +1,6 @@
 """The consumer-side RoPE (exporters.rope, from the manifest's rope fields alone) against the model's own rotary
-module: a pre-RoPE artifact of a llama3-scaled model (Llama 3.1 / llama3-shape) is rotated as the model rotates."""
+module: a pre-RoPE artifact of a llama3-scaled model (Llama 3.1 / llama3-shape) is rotated as the model rotates --
+to the bit, since both compute in float32 in the same order (docs/manifest.md, RoPE: precision)."""
 import json
 
 import pytest
@@ -24,7 +25,7 @@ def test_llama3_scaling_matches_transformers_rotary():
     rotary = LlamaRotaryEmbedding(config)
     assert rotary.attention_scaling == 1.0
     ours = inv_frequencies(128, theta, scaling)
-    assert torch.allclose(ours.float(), rotary.inv_freq, rtol=1e-6, atol=0)
+    assert ours.dtype == torch.float32 and torch.equal(ours, rotary.inv_freq)
     plain = inv_frequencies(128, theta)
     assert (ours < plain * 0.99).any() and (ours == plain).any()  # low frequencies scaled, high ones kept
     # every band: kept (i small), smoothed (between) and divided by the factor (i large)
@@ -34,9 +35,8 @@ def test_llama3_scaling_matches_transformers_rotary():
     positions = torch.tensor([0, 1, 7, 1000, 8191, 8192, 20000, 131071])
     cos, sin = rope_cos_sin(positions, 128, theta, scaling)
     ref_cos, ref_sin = rotary(torch.zeros(1, len(positions), 1), positions[None])
-    # the model's tables are float32 angles (p * f rounded): about p * 2^-24 radians off exact
-    tol = 2e-7 * float(positions.max()) + 1e-6
-    assert torch.allclose(cos, ref_cos[0], atol=tol) and torch.allclose(sin, ref_sin[0], atol=tol)
+    # float32 angles p * f as the model's module computes them (float64 angles were up to p * 2^-24 rad off)
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
     plain_cos, _ = rope_cos_sin(positions, 128, theta)
     assert not torch.allclose(plain_cos, ref_cos[0], atol=1e-2)  # ignoring the scaling would decode wrong
 
@@ -49,7 +49,7 @@ def test_a_pre_rope_key_decoded_from_the_manifest_equals_the_models_rotation():
     start = 9000  # beyond the original 8192 positions, where the scaling matters most
     cos_m, sin_m = rotary_tables(rotary, start, 64)
     cos, sin = rope_cos_sin(torch.arange(start, start + 64), 128, theta, scaling)
-    assert torch.allclose(apply_rope(k_pre, cos, sin), apply_rope(k_pre, cos_m, sin_m), atol=1e-2)
+    assert torch.equal(apply_rope(k_pre, cos, sin), apply_rope(k_pre, cos_m, sin_m))
 
 
 def test_linear_and_default_scaling():
@@ -69,3 +69,24 @@ def test_linear_and_default_scaling():
 def test_unknown_or_incomplete_scaling_is_refused_by_name(scaling, match):
     with pytest.raises(ValueError, match=match):
         inv_frequencies(16, 10000.0, scaling)
+
+
+def test_the_round_trip_is_exact_to_float32_rounding_for_bfloat16_keys():
+    """The convention (docs/manifest.md, RoPE: precision): float32 tables, rotation in float32 on float32 copies
+    of the keys, whatever their dtype. At D = 128, theta 5e5 (llama3 scaling), positions 0..8191, bfloat16 keys
+    come back from invert_rope then apply_rope to float32 rounding; tables rounded to bfloat16 (what a bfloat16
+    model's own rotary module returns) are not a rotation (cos^2 + sin^2 != 1) and move them by ~4e-3."""
+    from exporters.rope import invert_rope
+
+    rotary = LlamaRotaryEmbedding(shape_config("llama3-8b", 1))
+    cos, sin = rotary_tables(rotary, 0, 8192)
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (1, 8192, 128)
+    k = (torch.randn(1, 8, 8192, 128, generator=torch.Generator().manual_seed(0)) * 2).to(torch.bfloat16)
+    pre = invert_rope(k, cos, sin)
+    assert pre.dtype == torch.float32  # the caller rounds to its storage dtype, after the rotation
+    back = apply_rope(pre, cos, sin)
+    rel = ((back - k.float()).norm(dim=-1) / k.float().norm(dim=-1)).max()
+    assert rel <= 1e-6, float(rel)
+    cos16, sin16 = rotary_tables(rotary, 0, 8192, torch.bfloat16)
+    old = apply_rope(invert_rope(k, cos16, sin16), cos16, sin16)
+    assert ((old - k.float()).norm(dim=-1) / k.float().norm(dim=-1)).max() > 1e-3

@@ -185,3 +185,55 @@ def test_a_failed_check_under_run_exits_as_check_does(tmp_path, monkeypatch, cap
     assert not issubclass(RuntimeCheckError, ValueError)
     assert run_from_dictconfig(cfg, tmp_path / "run") == EXIT_CHECK_FAILED
     assert "runtime check failed" in capsys.readouterr().err
+
+
+def _strict_json(raw: str):
+    """JSON as the standard defines it: NaN and Infinity, which Python's json writes and reads, are refused."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(raw, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("where, bad", [("kernel", "inf"), ("oracle", "nan")])
+def test_a_non_finite_output_is_a_failed_check_written_as_json(tiny, make_artifact, monkeypatch, where, bad):
+    """A kernel or oracle output holding inf / NaN fails the check: `check` exits EXIT_CHECK_FAILED (not EXIT_USER:
+    the artifact is fine), and the manifest stays JSON -- the case has no figures, `error` says why."""
+    from pipeline.check import main
+    from runtime_check import reference
+
+    module = triton_attention if where == "kernel" else reference
+    real = module.decode_attention
+
+    def poisoned(inp, **kw):
+        out = real(inp, **kw).clone()
+        out[0, 0, 0] = float(bad)
+        return out
+
+    monkeypatch.setattr(module, "decode_attention", poisoned)
+    path = make_artifact("int4-token")
+    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
+    recorded = _strict_json((path / "manifest.json").read_text())["runtime_check"]
+    n = tiny.spec.n_q_heads * tiny.spec.head_dim
+    assert recorded["error"] == (f"context 16, batch 1: layer 0: the {where}'s output holds 1 non-finite values "
+                                 f"(NaN or inf) of {n}")
+    assert recorded["status"] == "failed" and recorded["cases"] == [] and recorded["max_rel_err"] is None
+    load_artifact(path, tiny.spec)
+
+
+def test_the_kernel_runs_on_each_layers_device(monkeypatch):
+    """Under a device_map each layer's inputs are on its own GPU (emulated: tests/virtual_devices.py): the Triton
+    kernel is launched there, not on the first GPU for every layer; inputs on the CPU of a GPU machine (a model on
+    the CPU) go to the GPU, and without one the interpreter runs on the CPU."""
+    from types import SimpleNamespace
+
+    from pipeline.check import triton_kernel
+    from tests.virtual_devices import VirtualDevices
+
+    seen = []
+    monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: seen.append(kw["device"]))
+    with VirtualDevices() as mode:
+        for device in ("cuda:1", "cuda:0"):
+            triton_kernel(native=True)(SimpleNamespace(q=mode.place(torch.zeros(1, 2, 4), device)))
+    triton_kernel(native=True)(SimpleNamespace(q=torch.zeros(1, 2, 4)))
+    triton_kernel(native=False)(SimpleNamespace(q=torch.zeros(1, 2, 4)))
+    assert seen == [torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda"), torch.device("cpu")]

@@ -379,8 +379,8 @@ def test_decode_steps_never_copy_the_stored_rows(tiny, calib, monkeypatch, name)
 
 @pytest.mark.parametrize("name", ["kvquant-3b-1pct+smooth", "kivi-2"])
 def test_every_reader_reads_the_pages(tiny, calib, name):
-    """Over a cache stored in many pages: the block-wise attention, the Triton kernel (one launch per page, the
-    splits merged) and the oracle (pages joined) agree within the runtime check's bound; a page boundary inside
+    """Over a cache stored in many pages: the block-wise attention, the Triton kernel (every page in one launch,
+    the items merged) and the oracle (pages joined) agree within the runtime check's bound; a page boundary inside
     a block changes nothing but the blocking."""
     pol = replace(_policy(tiny, calib, name), residual=3)
     cache = ArtifactCache(pol, tiny.model, page=8)
@@ -424,14 +424,14 @@ def test_the_fused_prefill_equals_the_block_scores(tiny, calib, monkeypatch, pre
     calls = []
     real = blockwise._fused_op
 
-    def counted(device):
-        op = real(device)
+    def counted(device, head_dim):
+        op = real(device, head_dim)
         return None if op is None else (lambda *a, **kw: calls.append(kw.get("is_causal", False)) or op(*a, **kw))
 
     monkeypatch.setattr(blockwise, "_fused_op", counted)
     fused = run()
     assert any(calls) == (prefill == "full") and not all(calls)  # history blocks fused; own rows only when "full"
-    monkeypatch.setattr(blockwise, "_fused_op", lambda device: None)
+    monkeypatch.setattr(blockwise, "_fused_op", lambda device, head_dim: None)
     scores = run()
     for a, b in zip(fused, scores):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
@@ -448,3 +448,82 @@ def test_the_serving_mask_is_none_unless_padded():
     mask = serving_mask(2, 5, 9, q_offset=4, attention_mask=pad)
     assert mask.dtype == torch.bool and mask.shape == (2, 1, 5, 9)
     assert not mask[1, 0, :, 0].any() and mask[0, 0, :, 0].all() and not mask[0, 0, 0, 5:].any()
+
+
+def _fp16_inputs(d: int, start: int, n: int = 4):
+    """One sequence, one kv head: n fp16 rows stored pre-RoPE from position `start` (inv_freq[0] = 1)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    p = TensorPolicy()
+    rows = store(encode(torch.randn(1, 1, n, d), p), p, start)
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=2 * d, num_attention_heads=2, num_key_value_heads=1,
+                                              head_dim=d, max_position_embeddings=1 << 20))
+    return blockwise.DecodeInputs(q=torch.randn(1, 2, d), scaling=d ** -0.5, key_policy=p, value_policy=p,
+                                  key_rope="pre", rotary=rotary, k_block=rows, v_block=rows)
+
+
+def test_the_single_token_route():
+    """use_kernel: the Triton kernel when asked (kernel=True) or by default on CUDA, for a token that reads every
+    row held, and only for inputs the kernel reads exactly -- a head_dim not a power of two, or keys rotated past
+    the exact RoPE range (411768 at inv_freq 1), take the torch path."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    ok, odd, far = _fp16_inputs(16, 100), _fp16_inputs(24, 100), _fp16_inputs(16, 411_766)
+    assert blockwise.use_kernel(None, cuda, True, ok) and blockwise.use_kernel(True, cpu, True, ok)
+    assert not blockwise.use_kernel(None, cpu, True, ok) and not blockwise.use_kernel(False, cuda, True, ok)
+    assert not blockwise.use_kernel(None, cuda, False, ok)       # a sliding layer holding rows it does not read
+    assert not blockwise.use_kernel(None, cuda, True, odd) and not blockwise.use_kernel(True, cpu, True, odd)
+    assert not blockwise.use_kernel(None, cuda, True, far)
+    assert blockwise.use_kernel(None, cuda, True, replace(far, key_rope="post"))
+
+
+def test_a_head_dim_the_kernel_cannot_tile_falls_back():
+    """head_dim 24 (not a power of two): a decode step with the kernel asked for (as on CUDA by default) takes the
+    torch path and gives its logits, instead of the kernel's refusal."""
+    from pipeline.config import ModelConfig, TinyModelConfig
+    from pipeline.model import load_model
+
+    tiny24 = load_model(ModelConfig(name="tiny-d24", source="tiny", tiny=TinyModelConfig(head_dim=24)))
+    assert tiny24.spec.head_dim == 24
+    pol = CachePolicy("fp16", [(TensorPolicy(), TensorPolicy())] * tiny24.spec.n_layers, key_rope="pre", n_sink=1,
+                      residual=2)
+    ids = torch.randint(0, 1000, (1, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for kernel in (False, True):
+        cache = ArtifactCache(pol, tiny24.model, attention="blockwise", block=BLOCK)
+        with torch.no_grad(), blockwise.serving(tiny24.model, cache, kernel=kernel):
+            tiny24.model(ids[:, :-1], cache=cache)
+            logits.append(tiny24.model(ids[:, -1:], cache=cache).logits)
+    assert torch.equal(logits[1], logits[0])
+
+
+def test_prefill_on_cuda_takes_the_fused_attention(tiny, calib, monkeypatch):
+    """On CUDA a prefill chunk's history blocks and own rows go through torch's memory-efficient attention (float32;
+    head_dim a multiple of 8), never [T_q, n] scores. Its contract -- output and natural log-sum-exp, the latter
+    padded to a multiple of 32 queries -- stood in for on the CPU by the CPU fused op with a padded, poisoned
+    log-sum-exp: the logits of the per-block scores."""
+    assert blockwise._fused_op(torch.device("cuda"), 64) is blockwise._cuda_fused
+    assert blockwise._fused_op(torch.device("cuda"), 36) is None
+    assert blockwise._fused_op(torch.device("cpu"), 36) is not None
+
+    def efficient(q, k, v, bias, with_lse, dropout_p=0.0, is_causal=False, *, scale=None):
+        assert bias is None and with_lse and q.dtype == torch.float32
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal, scale=scale)
+        pad = torch.full((*lse.shape[:-1], -lse.shape[-1] % 32), float("nan"))
+        return o, torch.cat([lse, pad], -1), None, None
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", efficient)
+    pol = replace(_policy(tiny, calib, "kvquant-4b-1pct"), residual=3)
+    ids = eval_ids(tiny.tokenizer, 2, 40)
+    chunks = [ids[:, :17], ids[:, 17:33], ids[:, 33:34]]
+
+    def run():
+        cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=BLOCK)
+        with torch.no_grad(), blockwise.serving(tiny.model, cache):
+            return [tiny.model(c, cache=cache).logits for c in chunks]
+
+    monkeypatch.setattr(blockwise, "_fused_op", lambda device, head_dim: blockwise._cuda_fused)
+    fused = run()
+    monkeypatch.setattr(blockwise, "_fused_op", lambda device, head_dim: None)
+    for a, b in zip(fused, run()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))

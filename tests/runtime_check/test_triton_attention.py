@@ -1,4 +1,5 @@
 """The Triton decode kernel against the oracle on synthetic stored caches (interpreter on CPU), every format."""
+import math
 from dataclasses import replace
 
 import pytest
@@ -152,11 +153,12 @@ def test_strided_views_are_read_through_their_strides():
 
 
 def test_refusals():
+    """The kernel multiplies the decoded keys by lambda before rotating them, as the oracle: any lambda is read
+    exactly, even one that differs on the two channels of a RoPE pair (folding it into q would need them equal)."""
     inp = make_inputs(FORMATS["nuq4-channel"], FORMATS["fp16"], smooth=True)
     bad = inp.smooth.clone()
     bad[0, 0] += 1
-    with pytest.raises(ValueError, match="equal on the two channels of each RoPE pair"):
-        decode_attention(replace(inp, smooth=bad))
+    assert_matches(replace(inp, smooth=bad))
     odd = make_inputs(FORMATS["fp16"], FORMATS["fp16"], d=12, key_rope="post")
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         decode_attention(odd)
@@ -198,3 +200,111 @@ def test_bench_skips_without_a_gpu(capsys):
 
     assert main(["--json", "/nonexistent/never-written.json"]) == 0
     assert capsys.readouterr().out.startswith("bench.kernel: skipped: no CUDA GPU")
+
+
+def test_positions_past_the_exact_rope_reduction_are_refused():
+    """The range reduction of RoPE angles is exact below 2^16 turns of the fastest frequency (inv_freq 1 here:
+    positions up to 65535 * 2 pi = 411768): the last position in range is read exactly, one further is refused."""
+    limit = math.floor((2 ** 16 - 1) * 2 * math.pi)
+    assert_matches(make_inputs(FORMATS["nuq4-channel"], FORMATS["fp16"], start=limit - 19, n_q=20))
+    beyond = make_inputs(FORMATS["nuq4-channel"], FORMATS["fp16"], start=limit - 18, n_q=20)
+    with pytest.raises(ValueError, match=rf"key position {limit + 1} .* positions 0\.\.{limit}"):
+        decode_attention(beyond)
+    decode_attention(replace(beyond, key_rope="post"))  # keys stored post-RoPE: nothing rotated, nothing refused
+
+
+def test_offsets_past_2_31_elements_are_64_bit():
+    """A page whose element offsets pass 2^31 (here row * token stride = 2 * 2^30; in a large batch b * batch stride
+    or the scale offsets) is read where it lies. The codes sit 2^31 bytes into a lazily mapped buffer, so an
+    offset wrapped to 32 bits reads the untouched (zero) bytes before them instead of faulting."""
+    inp = make_inputs(FORMATS["uniform2-token"], FORMATS["fp16"], n_q=3, n_sink=1, n_rec=0, key_rope="post")
+    codes = inp.k_block.tensors["codes"]                                  # [B, H, 3, 4] uint8
+    b, h, n, w = codes.shape
+    buf = torch.empty(2 ** 31 + 2 ** 31 + b * h * w, dtype=torch.uint8)   # virtual: only 3 rows are touched
+    far = buf.as_strided(codes.shape, (h * w, w, 2 ** 30, 1), storage_offset=2 ** 31)
+    far.copy_(codes)
+    k_block = replace(inp.k_block, tensors={**inp.k_block.tensors, "codes": far})
+    assert_matches(replace(inp, k_block=k_block))
+
+
+def test_paged_decode_prepares_each_page_once_in_one_launch(monkeypatch):
+    """Decode steps over a cache growing in pages of 8 rows (as ArtifactCache grows it): every step equals the
+    oracle, launches the partial kernel once over all pages, and lays out each full page's arguments once across
+    the steps -- only the page still being written is laid out again."""
+    from collections import Counter
+
+    from exporters.codec import encode as enc
+    from exporters.layout import PagedRows
+    from runtime_check import triton_attention as ta
+
+    g = torch.Generator().manual_seed(0)
+    d, n_sink, b = 16, 2, 1
+    k = torch.randn(b, H_KV, 26, d, generator=g) * 2 + torch.randn(1, H_KV, 1, d, generator=g)
+    v = torch.randn(b, H_KV, 26, d, generator=g)
+    pk, pv = calibrated(FORMATS["nuq3-channel-5pct"], k), calibrated(FORMATS["nuq3-token-2pct"], v)
+    pages = PagedRows(pk, 8), PagedRows(pv, 8)
+
+    def write(a, z):  # rows a..z-1, a page at most at a time
+        while a < z:
+            n = min(z - a, pages[0].room())
+            for rows, p, x in zip(pages, (pk, pv), (k, v)):
+                rows.write(store(enc(x[:, :, a:a + n], p), p, n_sink + a))
+            a += n
+
+    laid_out, launches = Counter(), []
+    real_side, real_kernel = ta._side_args, ta._decode_partial_kernel
+
+    def side_args(block, *a, **kw):
+        laid_out[block.start, block.shape[2]] += 1
+        return real_side(block, *a, **kw)
+
+    class Launches:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real_kernel[grid]
+
+    monkeypatch.setattr(ta, "_side_args", side_args)
+    monkeypatch.setattr(ta, "_decode_partial_kernel", Launches())
+    sink = tuple(torch.randn(b, H_KV, n_sink, d, generator=g).half() for _ in range(2))
+    write(0, 18)                                        # pages at 2 and 10 full, the one at 18 open
+    for t in range(18, 24):                             # the open page fills at the 6th step
+        write(t, t + 1)
+        inp = DecodeInputs(q=torch.randn(b, H_KV * GROUP, d, generator=g) * 2, scaling=d ** -0.5, key_policy=pk,
+                           value_policy=pv, key_rope="pre", rotary=rotary(d), sink=sink,
+                           k_block=pages[0].view(), v_block=pages[1].view())
+        assert len(inp.k_block.pages) == 3
+        assert_matches(inp)
+    full = {key: n for key, n in laid_out.items() if key[1] == 8}
+    assert full == {(2, 8): 2, (10, 8): 2, (18, 8): 2}, laid_out   # K and V of each full page, once
+    assert len(launches) == 6, launches                             # one launch per step, all pages in it
+
+
+def test_kernels_launch_on_the_device_of_their_tensors(monkeypatch):
+    """A launch runs under the device guard of its tensors' device (a layer on cuda:1 while cuda:0 is current)."""
+    import contextlib
+
+    from runtime_check import triton_attention as ta
+
+    guard = ta._on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(ta._on_device(torch.device("cpu")), contextlib.nullcontext)
+    seen = []
+    monkeypatch.setattr(ta, "_on_device", lambda device: seen.append(device) or contextlib.nullcontext())
+    decode_attention(make_inputs(FORMATS["fp16"], FORMATS["fp16"], n_q=4, key_rope="post"))
+    assert seen == [torch.device("cpu")]
+
+
+def test_the_merge_steps_over_the_items_in_blocks():
+    """The merge reads a row's partials S_BLOCK at a time, rescaling by the running max: 7 items in blocks of 2,
+    an empty item among them, equal the one-pass softmax merge."""
+    from runtime_check import triton_attention as ta
+
+    g = torch.Generator().manual_seed(0)
+    rows, n, d = 3, 7, 16
+    po, pm = torch.randn(rows, n, d, generator=g), torch.randn(rows, n, generator=g) * 4
+    pl = torch.rand(rows, n, generator=g) + 0.5
+    pm[0, 3], pl[0, 3], po[0, 3] = -1.0e30, 0.0, 0.0          # an item with no rows, as the kernel writes it
+    out = torch.empty(rows, d)
+    ta._combine_kernel[(rows,)](po, pm, pl, out, n, S_BLOCK=2, D=d)
+    w = torch.exp2(pm - pm.amax(1, keepdim=True))
+    torch.testing.assert_close(out, (w[..., None] * po).sum(1) / (w * pl).sum(1, keepdim=True))
