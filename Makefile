@@ -2,6 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
+# KVCALIB_CONVERT=gemma3 make install: also convert Gemma 3 270M now (otherwise the first model=gemma3 run does, once)
 install:
 	@bash scripts/install.sh
 

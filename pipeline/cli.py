@@ -1,4 +1,5 @@
-"""`python -m pipeline <run|check|show> [hydra overrides]`."""
+"""`kvcalib <command> [hydra overrides]`, or `python -m pipeline <command> ...`: the same commands and exit codes
+(pyproject.toml [project.scripts] points the console script at `main`)."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +7,7 @@ from pathlib import Path
 
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_INTERNAL, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
 
-USAGE = """usage: python -m pipeline <command> [key=value ...]
+USAGE = """usage: {prog} <command> [key=value ...]
 
 commands:
   run     calibrate, evaluate and export (Hydra overrides: model=smollm2|llama3|tiny data=embedded|local|hub
@@ -18,16 +19,23 @@ commands:
   recommend  RUN_DIR   the cheapest vLLM --kv-cache-dtype within the run's drift gate, with its `vllm serve` line
 """
 COMMANDS = ("run", "check", "show", "export-vllm", "recommend")
+CONSOLE_SCRIPT = "kvcalib"
+
+
+def prog() -> str:
+    """How the user called us, for usage lines: the console script or `python -m pipeline`."""
+    return CONSOLE_SCRIPT if Path(sys.argv[0]).name == CONSOLE_SCRIPT else "python -m pipeline"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = USAGE.format(prog=prog())
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
+        print(usage)
         sys.exit(EXIT_OK if argv else EXIT_USER)
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"error: unknown command {command!r}; allowed: {', '.join(COMMANDS)}\n\n{USAGE}", file=sys.stderr)
+        print(f"error: unknown command {command!r}; allowed: {', '.join(COMMANDS)}\n\n{usage}", file=sys.stderr)
         sys.exit(EXIT_USER)
     if command == "run":
         sys.argv = [sys.argv[0], *rest]
@@ -109,7 +117,7 @@ def _export_vllm(args: list[str]) -> int:
     positional = [a for a in rest if "=" not in a]
     overrides = [a.removeprefix("model.") for a in rest if "=" in a]
     if len(positional) != 2 or any(not a.startswith("model.") for a in rest if "=" in a):
-        print("error: usage: python -m pipeline export-vllm ARTIFACT OUT [model.<field>=VALUE ...] [--overwrite]",
+        print(f"error: usage: {prog()} export-vllm ARTIFACT OUT [model.<field>=VALUE ...] [--overwrite]",
               file=sys.stderr)
         return EXIT_USER
     artifact_dir, out = (Path(a) for a in positional)

