@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from exporters.files import fsync_dir, write_synced
-from pipeline.locks import FileLock, owner_is_gone, owner_suffix
+from pipeline.locks import FileLock, owner_suffix, remove_orphans
 
 CONVERTER_VERSION = 1
 RECORD = "kvcalib-converted.json"
@@ -260,13 +260,7 @@ def ensure_converted(pkg: GgufPackage, directory: Path | None = None, force: boo
 def _remove_leftovers(directory: Path) -> None:
     """Temporary folders of conversions that died (called under the lock: no live conversion of ours has one)."""
     parent, name = directory.parent, directory.name
-    for path in [*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")]:
-        try:
-            mtime = path.stat().st_mtime
-        except FileNotFoundError:
-            continue
-        if owner_is_gone(path.name, mtime, LEFTOVER_AGE_S):
-            shutil.rmtree(path, ignore_errors=True)
+    remove_orphans([*parent.glob(f".{name}.tmp-*"), *parent.glob(f".{name}.old-*")], LEFTOVER_AGE_S)
 
 
 def _check_copy(reference, directory: Path) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -95,6 +96,26 @@ def owner_is_gone(name: str, mtime: float, foreign_after_s: float, now: float | 
     if owner is not None and owner[1] == HOST_ID:
         return owner[0] != os.getpid() and not pid_alive(owner[0])
     return now - mtime > foreign_after_s
+
+
+def remove_orphans(paths, foreign_after_s: float) -> int:
+    """Remove the temporary files and folders among `paths` whose owner is gone (owner_is_gone: a dead process
+    of this host, or older than `foreign_after_s`) -> how many were removed. A path that vanished meanwhile is
+    skipped."""
+    removed = 0
+    for path in paths:
+        try:
+            mtime = path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if owner_is_gone(path.name, mtime, foreign_after_s):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            removed += 1
+    return removed
 
 
 @dataclass
@@ -285,4 +306,4 @@ class FileLock:
 
 
 __all__ = ["FileLock", "LockInfo", "stale_reason", "break_lock", "remove_if_stale", "HOST", "HOST_ID", "pid_alive",
-           "owner_suffix", "parse_owner", "owner_is_gone"]
+           "owner_suffix", "parse_owner", "owner_is_gone", "remove_orphans"]

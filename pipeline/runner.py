@@ -36,7 +36,7 @@ from tqdm import tqdm
 from exporters.checksums import sha256_file, sha256_json
 from exporters.files import fsync_dir, write_synced
 from pipeline import faults
-from pipeline.locks import FileLock, owner_is_gone, owner_suffix, remove_if_stale
+from pipeline.locks import FileLock, owner_suffix, remove_if_stale, remove_orphans
 from stages.base import Bound, Context, StageResult, key_view
 
 @dataclass
@@ -207,17 +207,9 @@ class StageCache:
         FOREIGN_TMP_AGE_S (another host's, or named before owners were recorded), and stale lock files (a
         process killed between storing an entry and releasing its lock); never a live job's write or lock,
         this process's included. -> how many were removed."""
-        removed = 0
         if not self.root.exists():
             return 0
-        for p in self.root.glob("*/.tmp-*"):
-            try:
-                mtime = p.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            if owner_is_gone(p.name, mtime, FOREIGN_TMP_AGE_S):
-                shutil.rmtree(p, ignore_errors=True)
-                removed += 1
+        removed = remove_orphans(self.root.glob("*/.tmp-*"), FOREIGN_TMP_AGE_S)
         for p in self.root.glob("*/.lock-*"):
             if not p.name.endswith(".break") and remove_if_stale(p, self.lock_options["stale_after_s"]):
                 removed += 1
