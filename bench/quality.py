@@ -12,13 +12,18 @@ python -m bench.quality --json PATH [--n-samples 16 --seq-len 1024 --eval-n-samp
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from bench.common import wikitext_dir, write_json
 from pipeline.app import run_pipeline
 from pipeline.config import DataConfig, EvalConfig, RunConfig, load_model_config, load_recipe, recipe_names
 from stages.evaluate import table
+from stages.hooks import model_device
 from stages.recipe import is_exportable_recipe
 
 CALIBRATED = ["kvquant-4b", "kvquant-4b-1pct", "kvquant-3b", "kvquant-3b-1pct", "kvquant-2b", "kvquant-2b-1pct"]
@@ -73,6 +78,8 @@ def kmeans_report(stage_meta: dict) -> list[str]:
     lines = []
     for stage, meta in ((k, v) for k, v in stage_meta.items() if k.startswith("codebooks")):
         for key, rows in meta["sse"].items():
+            if not all("sse_lloyd" in r for r in rows):  # fitted without codebooks.lloyd_check
+                continue
             binned, lloyd = sum(r["sse_binned"] for r in rows), sum(r.get("sse_lloyd", float("nan")) for r in rows)
             line = f"{stage} {key}: all points binned/Lloyd {binned / lloyd:.4f}"
             if all("sub_exact" in r for r in rows):
@@ -113,6 +120,9 @@ def add_protocol_args(ap: argparse.ArgumentParser) -> None:
                          "(test.txt untouched; for choosing a method before it is measured on the protocol)")
     ap.add_argument("--codebook-weighting", default=None, help="codebooks.weighting: fisher | fisher-scale2 | query-scale2")
     ap.add_argument("--qnorm", action="store_true", help="codebooks.qnorm=true (KVQuant's Q-Norm on every codebook)")
+    ap.add_argument("--lloyd-check", action="store_true",
+                    help="codebooks.lloyd_check=true: compare every fitted codebook with Lloyd's k-means and the "
+                         "exact optimum on a subsample (printed; costs more than the fit)")
     ap.add_argument("--perturb-seeds", type=int, default=4,
                     help="evaluate each quantized recipe under seeds 1..N of the cache-input perturbation (0: once, "
                          "unperturbed; the interval then covers the windows only)")
@@ -139,6 +149,7 @@ def protocol_config(names: list[str], args: argparse.Namespace) -> RunConfig:
     if args.codebook_weighting:
         cfg.codebooks.weighting = args.codebook_weighting
     cfg.codebooks.qnorm = bool(getattr(args, "qnorm", False))
+    cfg.codebooks.lloyd_check = bool(getattr(args, "lloyd_check", False))
     cfg.export.enabled = cfg.check.enabled = False
     cfg.sensitivity.enabled = cfg.probes.enabled = cfg.gate.enabled = False
     return cfg
@@ -173,11 +184,36 @@ def library_recipes_served(names: list[str], model: str) -> list[str]:
     return [n for n in names if n not in dropped]
 
 
+def plain_forward_s(model: torch.nn.Module, ids: torch.Tensor, repeats: int = 3) -> float:
+    """The median wall time of one plain full-precision forward (the model's own attention, logits of every
+    position) of ids [1, T], after one warm-up: what one evaluated unit costs at the least."""
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            model(ids, use_cache=False).logits
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def evaluation_cost(out: dict) -> dict:
+    """eval_wall_s (the evaluate stage, None when it came from the stage cache), eval_units (recipe x seed x
+    window forwards) and eval_forward_s (plain_forward_s on the first evaluation window, timed now, in this run)."""
+    record = next(r for r in out["runner"].records if r.name == "evaluate")
+    lm, ev = out["model"], out["summary"]["evaluation"]
+    forward = plain_forward_s(lm.model, out["windows"].eval[:1].to(model_device(lm.model)))
+    wall = record.wall_s if record.status == "computed" else None
+    return {"eval_wall_s": wall, "eval_units": ev["units"], "eval_forward_s": forward,
+            "eval_cost_ratio": None if wall is None else wall / (ev["units"] * forward)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     add_protocol_args(ap)
     ap.add_argument("--recipes", default=",".join(RECIPES))
     args = ap.parse_args()
+    start = time.perf_counter()
     names = args.recipes.split(",")
     if args.recipes == ap.get_default("recipes"):
         names = library_recipes_served(names, args.model)
@@ -193,11 +229,20 @@ def main() -> None:
         print(line)
     for line in kmeans_report(summary["stage_meta"]):
         print(line)
+    cost = evaluation_cost(out)
+    if cost["eval_wall_s"] is None:
+        print(f"evaluation: from the stage cache (no wall time); one plain forward {cost['eval_forward_s']:.3f} s")
+    else:
+        print(f"evaluation: {cost['eval_wall_s']:.1f} s for {cost['eval_units']} recipe x seed x window forwards; one "
+              f"plain forward of a window {cost['eval_forward_s']:.3f} s; wall / (units x forward) "
+              f"{cost['eval_cost_ratio']:.3f}")
+    print(f"bench.quality wall: {time.perf_counter() - start:.1f} s")
     keys = ("ppl", "kl", "top1", "avg_bits", "ppl_ratio", "ppl_ratio_ci95", "ppl_seeds")
     ev = summary["evaluation"]
     write_json(args.json, {"recipes": {n: {k: recipes[n][k] for k in keys if k in recipes[n]} for n in names},
                            "windows": ev["windows"], "seq_len": ev["seq_len"], "perturb_seeds": ev["perturb_seeds"],
-                           "perturb_scale": ev["perturb_scale"], "calib_wall_s": summary["calib_wall_s"]})
+                           "perturb_scale": ev["perturb_scale"], "calib_wall_s": summary["calib_wall_s"],
+                           "wall_s": time.perf_counter() - start, **cost})
 
 
 if __name__ == "__main__":

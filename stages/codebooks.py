@@ -32,7 +32,8 @@ from stages.codebooks_kmeans import kmeans_1d_binned, kmeans_1d_lloyd, weighted_
 @dataclass
 class CodebookConfig:
     n_bins: int = 2048
-    lloyd_check: bool = True
+    lloyd_check: bool = False          # the fit compared with Lloyd and the raw-point optimum (a diagnostic:
+                                       # it costs more than the fit; bench.quality --lloyd-check)
     lloyd_max_points: int = 50_000
     lloyd_inits: int = 3
     seed: int = 0

@@ -200,28 +200,31 @@ REF_HOLD_BYTES = 2 ** 30  # the reference's log-probabilities of one window are 
 
 class _WindowMetrics:
     """Next-token metrics of one window against the reference, over chunks of positions (stages.hooks.logit_rows):
-    never more than a chunk of float32 full-vocabulary log-probabilities per side. The reference's chunks are
-    computed once and held when the whole window's fit in REF_HOLD_BYTES, else recomputed per policy."""
+    never more than a chunk of float32 full-vocabulary log-probabilities per side. The reference's chunks -- its
+    log-probabilities and their exponentials, the probabilities KL weighs by -- are computed once and held when
+    the whole window's fit in REF_HOLD_BYTES, else recomputed per policy."""
 
     def __init__(self, model: torch.nn.Module, ref_hidden: torch.Tensor, targets: torch.Tensor):
         self.model, self.ref_hidden, self.targets = model, ref_hidden, targets
         t, vocab = ref_hidden.shape[0], model.config.vocab_size
         self.step = logit_rows(vocab)
-        self.held = [] if t * vocab * 4 <= REF_HOLD_BYTES else None
+        self.held = [] if 2 * t * vocab * 4 <= REF_HOLD_BYTES else None
         tops, self.ref_nll = [], 0.0
         for i, c in enumerate(range(0, t, self.step)):
-            ref = self._ref(i, c, fresh=True)
+            ref, _ = self._ref(i, c, fresh=True)
             tops.append(ref.argmax(-1))
             self.ref_nll += self._nll(ref, c)
         self.ref_top = torch.cat(tops)  # [T], where the head computes (under a device_map: not the ids' device)
 
-    def _ref(self, i: int, c: int, fresh: bool = False) -> torch.Tensor:
+    def _ref(self, i: int, c: int, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (log-probabilities, probabilities) of the reference on chunk i (positions c ...)."""
         if not fresh and self.held is not None:
             return self.held[i]
         ref = torch.log_softmax(lm_logits(self.model, self.ref_hidden[c : c + self.step]), -1)
+        pair = (ref, ref.exp())
         if fresh and self.held is not None:
-            self.held.append(ref)
-        return ref
+            self.held.append(pair)
+        return pair
 
     def _nll(self, logp: torch.Tensor, c: int) -> float:
         tgt = self.targets[c : c + self.step].to(logp.device)  # the last position predicts nothing
@@ -234,10 +237,10 @@ class _WindowMetrics:
             return self.ref_nll, 0.0, int(self.ref_top.numel())
         nll, kl, top1 = 0.0, 0.0, 0
         for i, c in enumerate(range(0, hidden.shape[0], self.step)):
-            ref = self._ref(i, c)
+            ref, ref_p = self._ref(i, c)
             logp = torch.log_softmax(lm_logits(self.model, hidden[c : c + self.step]), -1)
             nll += self._nll(logp, c)
-            kl += float((ref.exp() * (ref - logp)).sum())
+            kl += float((ref_p * (ref - logp)).sum())
             top1 += int((logp.argmax(-1) == self.ref_top[c : c + self.step]).sum())
         return nll, kl, top1
 
@@ -265,7 +268,8 @@ def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, 
 
 def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
     """-> meta["recipes"][name]: ppl, kl, top1, avg_bits, outlier fractions, ppl_ratio, ppl_ratio_ci95 (and
-    ppl_seeds with perturbations); tensors window_nll.<name> [S, W] and window_nll.reference [W] (summed NLL per
+    ppl_seeds with perturbations); meta["units"]: the recipe x seed x window forwards evaluated (fp16's are the
+    reference's own, one per window); tensors window_nll.<name> [S, W] and window_nll.reference [W] (summed NLL per
     window, S perturbation seeds, 1 without)."""
     cfg = cfg or EvalConfig()
     model, spec, windows, policies = inputs.model, inputs.spec, inputs.windows, inputs.policies
@@ -315,7 +319,8 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
         if nll.shape[0] > 1:
             recipes[name]["ppl_seeds"] = [math.exp(float(x) / n_tokens) for x in nll.mean(1)]
         tensors[f"window_nll.{name}"] = nll
-    meta = {"recipes": recipes, "windows": int(n_win), "seq_len": int(t),
+    units = sum((1 if p.is_full_precision else len(seeds)) * n_win for p in policies)
+    meta = {"recipes": recipes, "windows": int(n_win), "seq_len": int(t), "units": int(units),
             "perturb_seeds": list(cfg.perturb_seeds), "perturb_scale": cfg.perturb_scale if cfg.perturb_seeds else 0.0}
     return StageResult(tensors, meta)
 

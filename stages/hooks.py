@@ -9,6 +9,7 @@ rope_tables / layer_rope give each layer its own; layer_windows each layer's win
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -91,6 +92,26 @@ def forward_hooks(hooks: list[tuple[torch.nn.Module, Callable, bool]]) -> Iterat
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def replayed_layers(layers, outputs: list[torch.Tensor], upto: int) -> Iterator[None]:
+    """Within the block decoder layers 0 .. upto-1 return outputs[i] (what a recorded forward's layer i returned)
+    instead of computing: a forward that differs from a recorded one only from layer `upto` on computes only from
+    there, with the same results (each layer's output depends on its input and its own attention alone). The
+    decoder layers of the supported models return their hidden states as one tensor, which is what is replayed."""
+    patched = layers[:upto]
+    for i, layer in enumerate(patched):
+        layer.forward = functools.partial(_replay, outputs[i])
+    try:
+        yield
+    finally:
+        for layer in patched:
+            del layer.forward  # the class's own forward again
+
+
+def _replay(output: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return output
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

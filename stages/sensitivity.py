@@ -17,7 +17,8 @@ from exporters.codec import CachePolicy, TensorPolicy
 from stages.base import Context, Declaration, StageResult
 from stages.evaluate import quantized_attention
 from stages.layer_policy import Target, target_inputs, target_policy
-from stages.hooks import attention_layers, attention_override, forward_hooks, model_device, rope_tables
+from stages.hooks import (attention_layers, attention_override, forward_hooks, model_device, replayed_layers,
+                          rope_tables)
 
 @dataclass
 class SensitivityConfig:
@@ -42,13 +43,39 @@ VARIANTS = ("k", "v", "kv")  # the order of the first axis of the kl / top1 / nl
 FP16 = TensorPolicy()
 
 
-def isolate(policy: CachePolicy, layer: int, variant: str) -> CachePolicy:
-    """The recipe's policy on one layer (keys, values or both); full precision elsewhere."""
-    pk, pv = policy.layers[layer]
+def isolate(policy: CachePolicy, layer: int | None, variant: str) -> CachePolicy:
+    """The recipe's policy on one layer (keys, values or both); full precision elsewhere (layer None: everywhere,
+    the forward every isolated one equals up to its layer)."""
     layers = [(FP16, FP16)] * len(policy.layers)
-    layers[layer] = (pk if "k" in variant else FP16, pv if "v" in variant else FP16)
+    if layer is not None:
+        pk, pv = policy.layers[layer]
+        layers[layer] = (pk if "k" in variant else FP16, pv if "v" in variant else FP16)
     return CachePolicy(name=f"{policy.name}@{layer}:{variant}", layers=layers, key_rope=policy.key_rope,
                        n_sink=policy.n_sink, residual=policy.residual, smooth=policy.smooth)
+
+
+REPLAY_BUDGET_BYTES = 2 ** 31  # the recorded layer outputs of one window are held up to this
+
+
+def record_layer_outputs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, rope: dict) -> list | None:
+    """Every decoder layer's output in a forward with the whole cache in full precision, as isolate serves it
+    (K/V through the served rows, fp16) -- what layers before an isolated one compute -- or None when they would
+    not fit in REPLAY_BUDGET_BYTES (each isolated forward is then computed whole)."""
+    layers = model.model.layers
+    hidden, t = model.config.hidden_size, ids.shape[1]
+    if len(layers) * t * hidden * next(model.parameters()).element_size() > REPLAY_BUDGET_BYTES:
+        return None
+    outputs: list = [None] * len(layers)
+
+    def keep(i):
+        def hook(_m, _inp, out):
+            outputs[i] = out
+        return hook
+
+    with forward_hooks([(layer, keep(i), False) for i, layer in enumerate(layers)]), \
+            attention_override(model, quantized_attention(isolate(policy, None, "kv"), rope, None)):
+        model.model(ids, use_cache=False)
+    return outputs if all(isinstance(o, torch.Tensor) for o in outputs) else None
 
 
 def bucket_index(t: int, edges: list[int]) -> torch.Tensor:
@@ -90,14 +117,17 @@ def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] 
             ref_out = {i: o.clone() for i, o in attn_out.items()}
             ref_nll = -ref[:-1].gather(1, targets[:, None]).mean()
             ref_top = ref.argmax(-1)
+            ref_p = ref.exp()
+            recorded = record_layer_outputs(model, ids, policy, rope)  # layers before the isolated one: replayed
             for layer in range(n_layers):
                 for v_idx, variant in enumerate(VARIANTS):
                     if variant not in cfg.variants:
                         continue
                     pol = isolate(policy, layer, variant)
-                    with attention_override(model, quantized_attention(pol, rope, None)):
+                    with attention_override(model, quantized_attention(pol, rope, None)), \
+                            replayed_layers(model.model.layers, recorded or [], layer if recorded else 0):
                         logp = torch.log_softmax(model(ids, use_cache=False).logits[0].float(), -1)
-                    kl_pos = (ref.exp() * (ref - logp)).sum(-1).double()  # [T]
+                    kl_pos = (ref_p * (ref - logp)).sum(-1).double()  # [T]
                     kl[v_idx, layer] += float(kl_pos.mean())
                     top1[v_idx, layer] += float((logp.argmax(-1) == ref_top).double().mean())
                     dnll[v_idx, layer] += float(-logp[:-1].gather(1, targets[:, None]).mean() - ref_nll)

@@ -13,3 +13,23 @@ def test_default_list_drops_only_the_library_caches_the_library_refuses(capsys):
     out = capsys.readouterr().out
     assert all(f"{n}: not run -- transformers' QuantizedCache refuses" in out for n in library)
     assert "15 of 18 in gemma3" in out
+
+
+def test_evaluation_cost_is_the_stage_wall_over_units_times_one_plain_forward(tiny, tiny_windows):
+    """The ratio bench.quality prints: the evaluate stage's wall over (units x one plain forward, timed in the
+    same run); a stage read from the cache has no wall, and so no ratio."""
+    from types import SimpleNamespace
+
+    from bench.quality import evaluation_cost, plain_forward_s
+
+    assert plain_forward_s(tiny.model, tiny_windows.eval[:1]) > 0
+    for status, wall in (("computed", 12.0), ("cached", 0.1)):
+        out = {"runner": SimpleNamespace(records=[SimpleNamespace(name="evaluate", status=status, wall_s=wall)]),
+               "model": tiny, "windows": tiny_windows, "summary": {"evaluation": {"units": 6}}}
+        cost = evaluation_cost(out)
+        assert cost["eval_units"] == 6 and cost["eval_forward_s"] > 0
+        if status == "computed":
+            assert cost["eval_wall_s"] == 12.0
+            assert cost["eval_cost_ratio"] == 12.0 / (6 * cost["eval_forward_s"])
+        else:
+            assert cost["eval_wall_s"] is None and cost["eval_cost_ratio"] is None

@@ -68,7 +68,7 @@ def test_codebooks_fit_the_normalized_inliers():
     pos = torch.arange(s) + 1
     scales = _scales(keys, pos).tensors
     w = torch.ones(s, 1, 1, d)
-    r = _codebooks(keys, values, w, pos, scales, [2, 3], codebooks.CodebookConfig(n_bins=256))
+    r = _codebooks(keys, values, w, pos, scales, [2, 3], codebooks.CodebookConfig(n_bins=256, lloyd_check=True))
     k2, v3 = r.tensors["k_codebook_2"], r.tensors["v_codebook_3"]
     assert k2.shape == (1, 4) and v3.shape == (1, 8)
     assert (k2.abs() <= 1).all() and (k2.diff() > 0).all()

@@ -32,6 +32,23 @@ def test_sensitivity_on_tiny_model(tiny, tiny_windows):
     assert (t["kl"][2] > 0).all()
 
 
+def test_sensitivity_replaying_the_layers_before_the_isolated_one_equals_computing_them(tiny, tiny_windows,
+                                                                                       monkeypatch):
+    """Layers before the isolated one are replayed from one recorded full-precision forward: every figure equals
+    the one computed with every layer run (REPLAY_BUDGET_BYTES 0 turns the replay off)."""
+    p = CachePolicy("int2", [(INT2, INT2)] * tiny.spec.n_layers, n_sink=1, key_rope="pre")
+    cfg = SensitivityConfig(n_windows=1, buckets=[0, 16, 32], variants=["k", "v", "kv"])
+    inputs = sensitivity.Inputs(tiny.model, tiny.spec, tiny_windows.eval, p)
+    replayed = sensitivity.fit(inputs, cfg).tensors
+    monkeypatch.setattr(sensitivity, "REPLAY_BUDGET_BYTES", 0)
+    assert sensitivity.record_layer_outputs(tiny.model, tiny_windows.eval[:1], p, {}) is None
+    computed = sensitivity.fit(inputs, cfg).tensors
+    assert replayed.keys() == computed.keys()
+    for name in computed:
+        assert torch.equal(replayed[name], computed[name]), name
+    assert (computed["kl"][2] > 0).all()  # the isolated layers did quantize
+
+
 def test_greedy_allocation_hand_checked():
     # layer 0 is sensitive, layer 1 is not: under a budget between the options, layer 1 goes down first
     opts = [layer_policy.Option("4b", 4.0, torch.tensor([0.0, 0.0])),

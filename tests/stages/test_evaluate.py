@@ -144,3 +144,20 @@ def test_ppl_ratio_interval_covers_windows_and_seeds():
     noisy = torch.stack([ref + 1.0, ref + 3.0])                       # two seeds disagree: the interval opens
     r, lo, hi = evaluate.ppl_ratio_interval(noisy, ref, 10)
     assert r == pytest.approx(math.exp(0.2)) and lo < r < hi and lo >= math.exp(0.1) - 1e-12
+
+
+def test_units_count_every_recipe_seed_and_window_and_kl_weighs_by_the_reference(tiny, tiny_windows):
+    """meta["units"]: fp16 once per window (the reference's own forward), a quantized recipe once per seed and
+    window; the KL of a recipe is sum p_ref (log p_ref - log p) over positions, with p_ref held across recipes."""
+    ref, q = _policy("fp16", FP16, FP16), _policy("int2", INT2, INT2)
+    w = tiny_windows.eval[:2]
+    out = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [ref, q]), evaluate.EvalConfig(perturb_seeds=[1, 2, 3]))
+    assert out.meta["units"] == 2 * 1 + 2 * 3
+    plain = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [ref, q])).meta["recipes"]["int2"]
+    with torch.no_grad():
+        kl = 0.0
+        for i in range(w.shape[0]):
+            p_ref = torch.log_softmax(tiny.model(w[i : i + 1]).logits[0].float(), -1)
+            logp = evaluate.policy_logprobs(tiny.model, w[i : i + 1], q)
+            kl += float((p_ref.exp() * (p_ref - logp)).sum())
+    assert plain["kl"] == pytest.approx(kl / w.numel(), rel=1e-5)
