@@ -51,13 +51,13 @@ def pareto_report(recipes: dict[str, dict]) -> list[str]:
     return lines
 
 
-def peer_report(recipes: dict[str, dict]) -> list[str]:
+def peer_report(recipes: dict[str, dict], peers: list[str] = PEERS, calibrated: list[str] = CALIBRATED) -> list[str]:
     """For each peer format: the best calibrated recipe at equal or fewer average bits, and whether it beats the
     peer with non-overlapping 95% intervals."""
     lines = []
-    for peer in (n for n in PEERS if n in recipes):
+    for peer in (n for n in peers if n in recipes):
         r = recipes[peer]
-        ours = {n: recipes[n] for n in CALIBRATED if n in recipes and recipes[n]["avg_bits"] <= r["avg_bits"]}
+        ours = {n: recipes[n] for n in calibrated if n in recipes and recipes[n]["avg_bits"] <= r["avg_bits"]}
         if not ours:
             lines.append(f"{peer} ({r['avg_bits']:.3f} bits): no calibrated recipe at <= its bits in this run")
             continue

@@ -34,7 +34,8 @@ def drift(cfg, results: dict, target: CachePolicy) -> dict:
         passkey = {"fp16": meta["accuracy"]["fp16"], target.name: meta["accuracy"][target.name]}
         out["probes"] = meta
     if cfg.gate.enabled:
-        out["gate"] = gate.fit(gate.Inputs(target.name, results["evaluate"].meta["recipes"], sens, passkey),
+        long = results["evaluate-long"].meta if "evaluate-long" in results else None
+        out["gate"] = gate.fit(gate.Inputs(target.name, results["evaluate"].meta["recipes"], sens, passkey, long),
                                cfg.gate).meta
     return out
 
@@ -68,6 +69,10 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
         ppl_vs_bits(recipes, run_dir / "frontier.png")
         lines += ["## Quality per bit (same windows, one run)", "", "![frontier](frontier.png)", "", "```",
                   evaluate.table(recipes), "```", ""]
+        long = summary.get("evaluation_long")
+        if long:
+            lines += [f"## At long context ({long['windows']} windows x {long['seq_len']} tokens, evaluate-long)", "",
+                      "```", evaluate.table(long["recipes"]), "```", ""]
         from pipeline.recommend import VLLM_FORMATS, format_recommendation, recommend
         if any(name in recipes and name != "fp16" for name in VLLM_FORMATS):
             lines += ["## Serving through vLLM (`python -m pipeline recommend`)", ""]

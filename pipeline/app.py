@@ -1,8 +1,8 @@
 """One pipeline run: model + windows -> the stage graph -> results in the run directory.
 
 The graph (stage_graph): traces -> fisher -> (per calibration group) key_scales -> outliers -> codebooks ->
-evaluate -> [sensitivity-calib per option -> evaluate-mixed] -> sensitivity, probes. Smoothed recipes add
-traces -> smooth (their key stages fit K / lambda); prefix recipes add traces -> prefix_tokens -> traces-prefix ->
+evaluate -> [sensitivity-calib per option -> evaluate-mixed] -> [evaluate-long: data.long_n_samples] -> sensitivity,
+probes. Smoothed recipes add traces -> smooth (their key stages fit K / lambda); prefix recipes add traces -> prefix_tokens -> traces-prefix ->
 fisher-prefix (their key stages fit the rows after the prefix). Each stage is declared once in its module
 (stages.base.Declaration: name, config dataclass, inputs, fit); this module only lists the declarations bound to
 the run's configs; the runner (pipeline/runner.py) computes every key from the whole config and owns caching,
@@ -23,7 +23,7 @@ from pipeline.export import CHECKPOINT_DIR, export, servable, write_vllm_checkpo
 from exporters.files import atomic_write_json
 from pipeline.model import LoadedModel, load_model, source_directory
 from pipeline.runner import Runner, peak_rss_mb
-from stages import (codebooks, engine_cache, evaluate, fisher, key_scales, layer_policy, outliers, prefix_tokens,
+from stages import (codebooks, engine_cache, evaluate, evaluate_long, fisher, key_scales, layer_policy, outliers, prefix_tokens,
                     probes, recipe, sensitivity, smooth_attention, traces)
 from stages.base import Bound, Context, StageResult
 from stages.calibration_rows import CalibGroup
@@ -33,7 +33,7 @@ CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales
 # every stage the graph can hold, each declared once in its module (stages.base.Declaration)
 DECLARATIONS = (traces.STAGE, traces.PREFIXED, fisher.STAGE, fisher.PREFIXED, smooth_attention.STAGE,
                 prefix_tokens.STAGE, key_scales.STAGE, outliers.STAGE, codebooks.STAGE, evaluate.STAGE,
-                sensitivity.STAGE, layer_policy.MIXED, probes.STAGE)
+                evaluate_long.STAGE, sensitivity.STAGE, layer_policy.MIXED, probes.STAGE)
 
 
 def target_of(cfg: RunConfig, recipes: list[QuantConfig]) -> layer_policy.Target:
@@ -73,6 +73,8 @@ def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
         graph += [sensitivity.STAGE(sensitivity.SensitivityJob(per_option, layer_policy.Target(q), "calib"))
                   for q in target.options]
         graph.append(layer_policy.MIXED(layer_policy.MixedJob(lp, cfg.eval, target.options)))
+    if cfg.data.long_n_samples:  # every recipe (and the mixed policy) again on the long-context windows
+        graph.append(evaluate_long.STAGE(evaluate_long.LongJob(cfg.eval, recipes, target.options)))
     if cfg.sensitivity.enabled:
         graph.append(sensitivity.STAGE(sensitivity.SensitivityJob(cfg.sensitivity, target)))
     if cfg.probes.enabled:
@@ -100,9 +102,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         raise UserError(f"quant.prefix=true: the tokenizer of model {lm.spec.name} has no BOS token "
                         f"(bos_token_id is None), and the prefix ends in BOS")
     windows = build_windows(cfg.data, lm.tokenizer)
-    data_id = sha256_json([windows.calib_sha256, windows.eval_sha256])
-    runner = Runner(cfg.cache_dir, model_identity(lm), data_id, log=log, show_progress=show_progress)
-    ctx = Context(lm.model, lm.spec, lm.tokenizer, windows.calib, windows.eval)
+    runner = Runner(cfg.cache_dir, model_identity(lm), windows.data_id, log=log, show_progress=show_progress)
+    ctx = Context(lm.model, lm.spec, lm.tokenizer, windows.calib, windows.eval, windows.long)
     results: dict[str, StageResult] = runner.run(stage_graph(cfg, recipes), ctx)
     calib_wall = sum(r.wall_s for r in runner.records if r.name.split("-")[0] in CALIBRATION_STAGES)
     summary = {
@@ -121,6 +122,8 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     }
     if "evaluate" in results:
         summary["evaluation"] = results["evaluate"].meta
+    if "evaluate-long" in results:  # beside summary["data"], which the manifest's provenance records as it is
+        summary["evaluation_long"] = {**results["evaluate-long"].meta, "sha256": windows.long_sha256}
     run_dir.mkdir(parents=True, exist_ok=True)
     target = layer_policy.target_policy(target_of(cfg, recipes), lm.spec.n_layers, results)
     if "evaluate-mixed" in results:  # the artifact is the mixed per-layer policy
@@ -160,6 +163,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     log(runner.table())
     if "evaluation" in summary:
         log(evaluate.table(summary["evaluation"]["recipes"]))
+    if "evaluation_long" in summary:
+        ev = summary["evaluation_long"]
+        log(f"long context: {ev['windows']} windows x {ev['seq_len']} tokens")
+        log(evaluate.table(ev["recipes"]))
     gate_result = summary.get("drift", {}).get("gate")
     if gate_result:
         log(f"drift gate: {'passed' if gate_result['passed'] else 'FAILED'}"

@@ -100,6 +100,10 @@ class DataConfig:
     seed: int = 0
     eval_n_samples: int = 8
     eval_seq_len: int = 1024
+    # the long-context evaluation (stage evaluate-long): the next long_n_samples consecutive windows of long_seq_len
+    # tokens of the evaluation text, every recipe evaluated on them too; 0: none
+    long_n_samples: int = 0
+    long_seq_len: int = 8192
 
 
 @dataclass
@@ -190,6 +194,10 @@ def validate_data(cfg: DataConfig) -> None:
     for field_name in ("n_samples", "eval_n_samples"):
         if getattr(cfg, field_name) < 1:
             raise UserError(f"data.{field_name} must be >= 1, got {getattr(cfg, field_name)}")
+    if cfg.long_n_samples < 0:
+        raise UserError(f"data.long_n_samples must be >= 0 (0: no long-context evaluation), got {cfg.long_n_samples}")
+    if cfg.long_n_samples and cfg.long_seq_len < 2:
+        raise UserError(f"data.long_seq_len must be >= 2 tokens, got {cfg.long_seq_len}")
 
 
 def recipes_of(cfg: RunConfig) -> list[QuantConfig]:

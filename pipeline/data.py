@@ -2,6 +2,8 @@
 
 Calibration: `n_samples` non-overlapping windows of `seq_len` tokens drawn at random slots (seeded).
 Evaluation: the first `eval_n_samples` consecutive non-overlapping windows of the evaluation text.
+Long-context evaluation (data.long_n_samples > 0): the first `long_n_samples` consecutive non-overlapping windows of
+`long_seq_len` tokens of the same evaluation text (they may overlap the short windows' text: both are evaluation).
 A tokenizer that starts every text with BOS (Gemma's: the model expects it at position 0) gets BOS as each window's
 first token, followed by seq_len - 1 tokens of text; one that adds nothing (SmolLM2's) gets seq_len tokens of text.
 """
@@ -23,6 +25,7 @@ class Windows:
     calib: torch.Tensor        # [N, L] int64
     eval: torch.Tensor         # [M, L_eval] int64
     description: str
+    long: torch.Tensor | None = None  # [K, L_long] int64: the long-context evaluation windows (None: none)
 
     @property
     def calib_sha256(self) -> str:
@@ -31,6 +34,17 @@ class Windows:
     @property
     def eval_sha256(self) -> str:
         return sha256_tensor(self.eval)
+
+    @property
+    def long_sha256(self) -> str | None:
+        return None if self.long is None else sha256_tensor(self.long)
+
+    @property
+    def data_id(self) -> str:
+        """What of the data a stage result depends on: every window's token ids (the long ones when present)."""
+        from exporters.checksums import sha256_json
+        ids = [self.calib_sha256, self.eval_sha256] + ([self.long_sha256] if self.long is not None else [])
+        return sha256_json(ids)
 
 
 def text_file(cfg: DataConfig, calibration: bool) -> Path:
@@ -141,8 +155,12 @@ def build_windows(cfg: DataConfig, tokenizer) -> Windows:
     bos = leading_bos(tokenizer)
     text = 0 if bos is None else 1  # BOS takes a window's first position where the tokenizer wants it
     calib = with_bos(random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len - text, cfg.seed), bos)
-    evaluation = with_bos(consecutive_windows(tokenize(tokenizer, eval_text), cfg.eval_n_samples,
-                                              cfg.eval_seq_len - text), bos)
+    eval_ids = tokenize(tokenizer, eval_text)
+    evaluation = with_bos(consecutive_windows(eval_ids, cfg.eval_n_samples, cfg.eval_seq_len - text), bos)
+    long = None
+    if cfg.long_n_samples:
+        long = with_bos(consecutive_windows(eval_ids, cfg.long_n_samples, cfg.long_seq_len - text,
+                                           "long-context evaluation (data.long_n_samples)"), bos)
     if bos is not None:
         description += f"; each window BOS ({bos}) + text"
-    return Windows(calib=calib, eval=evaluation, description=description)
+    return Windows(calib=calib, eval=evaluation, description=description, long=long)

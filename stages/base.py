@@ -51,6 +51,7 @@ class Context:
     tokenizer: object = None
     calib: torch.Tensor | None = None   # [N, T] calibration token ids
     eval: torch.Tensor | None = None    # [M, T] evaluation token ids
+    long: torch.Tensor | None = None    # [K, T_long] long-context evaluation token ids (data.long_n_samples)
 
 
 def key_view(config) -> object:

@@ -86,6 +86,45 @@ def _chunk_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, t: int) -> torch
     return (q_pos >= torch.arange(t, device=q_pos.device)[None])[None, None]
 
 
+def _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -> torch.Tensor:
+    """The residual buffer as decode reads it, up to QUERY_CHUNK queries: query q reads in fp16 the rows its cache
+    has not encoded yet (LayerRows.encoded_end(q + 1) onwards) and the older rows encoded -- two score matrices
+    [T_q, T], a mask choosing between them, one softmax, two value sets. -> [B, T_q, H_q, D]"""
+    t_q, t = query.shape[2], k16.shape[2]
+    q_pos = torch.arange(t - t_q, t, device=k16.device)[:, None]
+    near = torch.arange(t, device=k16.device)[None] >= rows.encoded_end(q_pos + 1)  # [T_q, T]
+    chunk_mask = _chunk_mask(mask, q_pos, t)
+    scores = torch.where(near, attention_scores(query, k16, chunk_mask, scaling),
+                         attention_scores(query, k_hat, chunk_mask, scaling))
+    probs = torch.softmax(scores, dim=-1)
+    return attend(probs * near, v16, query.dtype) + attend(probs * ~near, v_hat, query.dtype)
+
+
+def _residual_fused(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -> torch.Tensor:
+    """The same attention at long context, in chunks of QUERY_CHUNK queries, each one fused SDPA call over the
+    rows its queries can see: the encoded rows [0, seen) and the fp16 rows [lo, seen) side by side, a boolean mask
+    giving query q the encoded rows before encoded_end(q + 1) and the fp16 rows from there on (lo: the first
+    query's encoded_end; it never decreases). The same softmax over the same scores as _residual_materialized,
+    summed in SDPA's order (tests/stages/test_evaluate.py: equal to 1e-5), without [T_q, T] matrices in memory."""
+    t_q, t = query.shape[2], k16.shape[2]
+    outs = []
+    for c in range(0, t_q, QUERY_CHUNK):
+        q = query[:, :, c : c + QUERY_CHUNK]
+        seen = t - t_q + c + q.shape[2]  # causal: no query of this chunk reads a row past its last one
+        q_pos = torch.arange(t - t_q + c, seen, device=k16.device)[:, None]
+        allowed = _chunk_mask(None if mask is None else mask[:, :, c : c + QUERY_CHUNK, :seen], q_pos, seen)
+        if allowed.dtype != torch.bool:  # an additive mask: 0 where read, the dtype's minimum (or -inf) where not
+            allowed = allowed > torch.finfo(allowed.dtype).min
+        first = rows.encoded_end(q_pos + 1)  # [chunk, 1]: the first row query q reads in fp16
+        lo = int(first[0])
+        cols = torch.arange(seen, device=k16.device)[None]
+        both = torch.cat([allowed & (cols < first), allowed[..., lo:] & (cols[:, lo:] >= first)], -1)
+        keys = torch.cat([k_hat[:, :, :seen], k16[:, :, lo:seen]], 2)
+        values = torch.cat([v_hat[:, :, :seen], v16[:, :, lo:seen]], 2)
+        outs.append(sdpa_attention(q.float(), keys, values, both, scaling).to(query.dtype))
+    return torch.cat(outs, dim=1)
+
+
 def _served_rows(x: torch.Tensor) -> torch.Tensor:
     """K/V as the serving cache receives them: rounded to fp16 (sink and residual rows are stored so, and the
     codec encodes from them), computed on in float32."""
@@ -148,18 +187,9 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
         if not rows.holds_back:  # every row past the sinks is read encoded from the step it arrives
             return sdpa_attention(query.float(), k_hat, v_hat, mask, scaling).to(query.dtype)
         t_q = query.shape[2]
-        outs = []
-        for c in range(0, t_q, QUERY_CHUNK):  # query chunks bound the [T_q, T] score matrices at long context
-            q = query[:, :, c : c + QUERY_CHUNK]
-            m = None if mask is None else mask[:, :, c : c + QUERY_CHUNK]
-            q_pos = torch.arange(t - t_q + c, t - t_q + c + q.shape[2], device=key.device)[:, None]
-            # [chunk, T]: the residual rows query q reads in fp16, from the first row its cache has not encoded
-            near = torch.arange(t, device=key.device)[None] >= rows.encoded_end(q_pos + 1)
-            scores = torch.where(near, attention_scores(q, k16, _chunk_mask(m, q_pos, t), scaling),
-                                 attention_scores(q, k_hat, _chunk_mask(m, q_pos, t), scaling))
-            probs = torch.softmax(scores, dim=-1)
-            outs.append(attend(probs * near, v16, query.dtype) + attend(probs * ~near, v_hat, query.dtype))
-        return torch.cat(outs, dim=1)
+        if t_q <= QUERY_CHUNK:
+            return _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows)
+        return _residual_fused(query, k16, v16, k_hat, v_hat, mask, scaling, rows)
 
     return attn
 
@@ -195,7 +225,7 @@ def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePoli
     return torch.log_softmax(lm_logits(model, policy_hidden(model, ids, policy, ledger, perturb)), -1)
 
 
-REF_HOLD_BYTES = 2 ** 30  # the reference's log-probabilities of one window are kept across policies up to this
+REF_HOLD_BYTES = 2 ** 32  # the reference's log-probabilities of one window are kept across policies up to this
 
 
 class _WindowMetrics:
@@ -230,19 +260,30 @@ class _WindowMetrics:
         tgt = self.targets[c : c + self.step].to(logp.device)  # the last position predicts nothing
         return -float(logp[: tgt.numel()].gather(1, tgt[:, None]).sum())
 
-    def of(self, hidden: torch.Tensor | None) -> tuple[float, float, int]:
+    def of(self, hidden: torch.Tensor | None) -> tuple[float, float, int, torch.Tensor]:
         """hidden [T, hidden] of a policy (None: the reference itself) -> (summed NLL, summed KL(ref || policy),
-        top-1 agreements)."""
+        top-1 agreements, KL per position [T] float64)."""
+        t = self.ref_top.numel()
         if hidden is None:
-            return self.ref_nll, 0.0, int(self.ref_top.numel())
-        nll, kl, top1 = 0.0, 0.0, 0
+            return self.ref_nll, 0.0, int(t), torch.zeros(t, dtype=torch.float64)
+        nll, kl, top1, rows = 0.0, 0.0, 0, []
         for i, c in enumerate(range(0, hidden.shape[0], self.step)):
             ref, ref_p = self._ref(i, c)
             logp = torch.log_softmax(lm_logits(self.model, hidden[c : c + self.step]), -1)
             nll += self._nll(logp, c)
-            kl += float((ref_p * (ref - logp)).sum())
+            terms = ref_p * (ref - logp)
+            kl += float(terms.sum())
+            rows.append(terms.sum(-1).double().cpu())
             top1 += int((logp.argmax(-1) == self.ref_top[c : c + self.step]).sum())
-        return nll, kl, top1
+        return nll, kl, top1, torch.cat(rows)
+
+
+KL_BUCKETS = 8  # the window's positions in this many equal spans: is the error growing along the window?
+
+
+def bucket_means(per_position: torch.Tensor, n: int = KL_BUCKETS) -> list[float]:
+    """per_position [T] -> the mean of each of n consecutive, nearly equal spans of positions (torch.tensor_split)."""
+    return [float(x.mean()) for x in torch.tensor_split(per_position, n)]
 
 
 def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, n_boot: int = 2000,
@@ -267,8 +308,8 @@ def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, 
 
 
 def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
-    """-> meta["recipes"][name]: ppl, kl, top1, avg_bits, outlier fractions, ppl_ratio, ppl_ratio_ci95 (and
-    ppl_seeds with perturbations); meta["units"]: the recipe x seed x window forwards evaluated (fp16's are the
+    """-> meta["recipes"][name]: ppl, kl, top1, avg_bits, outlier fractions, ppl_ratio, ppl_ratio_ci95, kl_buckets
+    (mean KL per position in KL_BUCKETS equal spans of the window) and ppl_seeds with perturbations; meta["units"]: the recipe x seed x window forwards evaluated (fp16's are the
     reference's own, one per window); tensors window_nll.<name> [S, W] and window_nll.reference [W] (summed NLL per
     window, S perturbation seeds, 1 without)."""
     cfg = cfg or EvalConfig()
@@ -276,6 +317,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
     seeds = list(cfg.perturb_seeds) or [None]
     n_win, t = windows.shape
     stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": Ledger(),
+                      "kl_positions": torch.zeros(windows.shape[1], dtype=torch.float64),
                       "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
              for p in policies}
     ref_nll = torch.zeros(n_win, dtype=torch.float64)
@@ -300,8 +342,9 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
                         n_rows = ids.shape[1] + (0 if policy.prefix_ids is None else int(policy.prefix_ids.numel()))
                         st["ledger"].bits += FULL_PRECISION_BITS * 2 * n_rows * kv_elements
                         st["ledger"].elements += 2 * n_rows * kv_elements
-                    nll, kl, top1 = metrics.of(hidden)
+                    nll, kl, top1, kl_rows = metrics.of(hidden)
                     st["nll"][i, w], st["kl"], st["top1"] = nll, st["kl"] + kl, st["top1"] + top1
+                    st["kl_positions"] += kl_rows
                     st["tokens"] += ids.shape[1]
             if progress:
                 progress(1)
@@ -315,6 +358,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
             "top1": st["top1"] / st["tokens"], "avg_bits": led.avg_bits,
             "outlier_fraction_k": led.outlier_fraction("k"), "outlier_fraction_v": led.outlier_fraction("v"),
             "ppl_ratio": ratio, "ppl_ratio_ci95": [lo, hi],
+            "kl_buckets": bucket_means(st["kl_positions"] / (st["tokens"] // t)),
         }
         if nll.shape[0] > 1:
             recipes[name]["ppl_seeds"] = [math.exp(float(x) / n_tokens) for x in nll.mean(1)]

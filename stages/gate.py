@@ -22,27 +22,41 @@ class Inputs:
     evaluation: dict                   # {recipe: {ppl, ...}} (the evaluate stage)
     sensitivity: dict | None = None    # {"map_kl": [[...]], "map_cos": [[...]], "bucket_edges": [...]}
     passkey: dict | None = None        # {"fp16": acc, recipe: acc}
+    long: dict | None = None           # the evaluate-long stage's meta (recipes, seq_len, windows), when run
 
 
 def fit(inputs: Inputs, cfg: GateConfig) -> StageResult:
     """-> meta {"passed": bool, "failures": [...], "thresholds": {...}}"""
-    return StageResult({}, check(cfg, inputs.recipe, inputs.evaluation, inputs.sensitivity, inputs.passkey))
+    return StageResult({}, check(cfg, inputs.recipe, inputs.evaluation, inputs.sensitivity, inputs.passkey,
+                                 inputs.long))
 
 
-def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None) -> dict:
-    """The perplexity ratio is always judged: an evaluation that lacks the recipe or its ppl_ratio raises
-    ValueError (stages.evaluate gives every recipe one, fp16 in eval.recipes or not, so this is a broken
-    invariant, never a pass). The cell maps and passkey accuracy are judged when given."""
-    failures = []
+def _ppl_ratio(evaluation: dict, recipe: str, where: str) -> float:
     row = evaluation.get(recipe)
     if row is None:
-        raise ValueError(f"gate: recipe {recipe!r} was not evaluated (evaluated: {sorted(evaluation)})")
+        raise ValueError(f"gate: recipe {recipe!r} was not evaluated{where} (evaluated: {sorted(evaluation)})")
     ratio = row.get("ppl_ratio")  # to the full-precision model on the same windows (stages.evaluate)
     if ratio is None:
-        raise ValueError(f"gate: the evaluation of {recipe!r} has no ppl_ratio to fp16; the perplexity check "
+        raise ValueError(f"gate: the evaluation{where} of {recipe!r} has no ppl_ratio to fp16; the perplexity check "
                          f"cannot be judged")
+    return ratio
+
+
+def check(cfg: GateConfig, recipe: str, evaluation: dict, sensitivity: dict | None, passkey: dict | None,
+          long: dict | None = None) -> dict:
+    """The perplexity ratio is always judged, on the evaluation windows and (when the run has them) on the
+    long-context windows: an evaluation that lacks the recipe or its ppl_ratio raises ValueError (stages.evaluate
+    gives every recipe one, fp16 in eval.recipes or not, so this is a broken invariant, never a pass). The cell
+    maps and passkey accuracy are judged when given."""
+    failures = []
+    ratio = _ppl_ratio(evaluation, recipe, "")
     if ratio > cfg.max_ppl_ratio:
         failures.append(f"perplexity ratio {ratio:.4f} > max_ppl_ratio {cfg.max_ppl_ratio}")
+    if long is not None:
+        where = f" at long context ({long['windows']} x {long['seq_len']} tokens)"
+        ratio = _ppl_ratio(long["recipes"], recipe, where)
+        if ratio > cfg.max_ppl_ratio:
+            failures.append(f"perplexity ratio{where} {ratio:.4f} > max_ppl_ratio {cfg.max_ppl_ratio}")
     if sensitivity:
         edges = sensitivity["bucket_edges"]
         names = [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"]

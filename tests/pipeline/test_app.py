@@ -41,3 +41,31 @@ def test_peer_formats_are_fine_as_comparison_recipes():
     names = ["fp16", "vllm-int8-per-token-head", "vllm-turboquant-k8v4", "vllm-turboquant-3bit-nc"]
     cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=names))
     assert [q.name for q in validate_run(cfg)] == ["kvquant-4b-1pct", *names]
+
+
+def test_a_run_with_long_windows_evaluates_every_recipe_and_the_mixed_policy_there(tmp_path):
+    """data.long_n_samples > 0: the evaluate-long stage evaluates the run's recipes and its mixed per-layer policy
+    on the long windows; the summary carries them and the gate judges them (here with a threshold nothing fails)."""
+    from pipeline.config import DataConfig
+    cfg = RunConfig(model=ModelConfig(name="tiny", source="tiny"),
+                    data=DataConfig(n_samples=2, seq_len=32, eval_n_samples=1, eval_seq_len=32, long_n_samples=1,
+                                    long_seq_len=200),
+                    quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=["fp16", "kivi-2"]),
+                    layer_policy=LayerPolicyConfig(enabled=True, budget=16.0,
+                                                   options=["kvquant-2b-1pct", "kvquant-4b-1pct"]),
+                    cache_dir=str(tmp_path / "cache"))
+    cfg.traces.reservoir_size = 64
+    cfg.export.enabled = cfg.check.enabled = False
+    cfg.sensitivity.enabled = cfg.probes.enabled = False
+    cfg.gate.max_ppl_ratio = 1e9
+    out = run_pipeline(cfg, tmp_path / "run", log=lambda _m: None, show_progress=False)
+    summary = out["summary"]
+    long, short = summary["evaluation_long"], summary["evaluation"]
+    assert (long["windows"], long["seq_len"], short["seq_len"]) == (1, 200, 32)
+    assert set(long["recipes"]) == {"fp16", "kivi-2", "kvquant-4b-1pct", "kvquant-2b-1pct", "mixed-16b"}
+    assert len(long["sha256"]) == 64
+    assert long["recipes"]["kivi-2"]["ppl_ratio"] != short["recipes"]["kivi-2"]["ppl_ratio"]
+    assert summary["drift"]["gate"]["passed"]
+    assert [r.name for r in out["runner"].records][-1] == "evaluate-long"
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## At long context (1 windows x 200 tokens, evaluate-long)" in report

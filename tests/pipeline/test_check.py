@@ -20,7 +20,6 @@ from runtime_check import triton_attention
 from stages.recipe import is_exportable_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = CheckConfig(contexts=[170], batches=[2])  # > KIVI's 128 residual + one 32-token group: every path runs
 
 
 def quiet(_msg):
@@ -34,7 +33,11 @@ def manifest_of(path: Path) -> dict:
 @pytest.mark.parametrize("recipe", [n for n in recipe_names() if is_exportable_recipe(load_recipe(n))])
 def test_check_passes_for_every_recipe(tiny, make_artifact, recipe):
     path = make_artifact(recipe)
-    result = run_check(path, tiny, FAST, log=quiet)
+    q = load_recipe(recipe)
+    # > KIVI's 128 residual + one 32-token group, and past the sinks and recent window of the long-context recipes:
+    # every path runs, encoded rows included
+    cfg = CheckConfig(contexts=[max(170, q.n_sink + q.residual + 40)], batches=[2])
+    result = run_check(path, tiny, cfg, log=quiet)
     assert result["status"] == "passed", result
     assert result["max_rel_err"] < 1e-5 and result["interpreter"] == (not torch.cuda.is_available())
     written = manifest_of(path)["runtime_check"]

@@ -29,6 +29,7 @@ def test_too_many_windows_names_both_numbers():
 @pytest.mark.parametrize("field,value,pattern", [
     ("seq_len", 1, r"data.seq_len must be >= 2 tokens, got 1"),
     ("n_samples", 0, r"data.n_samples must be >= 1, got 0"),
+    ("long_n_samples", -1, r"data.long_n_samples must be >= 0 \(0: no long-context evaluation\), got -1"),
     ("source", "s3", r"data.source must be one of \('embedded', 'local', 'hub'\), got 's3'"),
 ])
 def test_bad_data_config(field, value, pattern):
@@ -68,3 +69,17 @@ def test_jsonl_source(tmp_path, tiny):
     w = build_windows(DataConfig(source="local", path=str(f), n_samples=2, seq_len=32, eval_n_samples=1,
                                  eval_seq_len=32), tiny.tokenizer)
     assert w.calib.shape == (2, 32) and w.eval.shape == (1, 32)
+
+
+def test_long_context_windows_come_from_the_evaluation_text(tmp_path, tiny):
+    (tmp_path / "valid.txt").write_text("alpha beta gamma " * 200)
+    (tmp_path / "test.txt").write_text("one two three four " * 200)
+    base = dict(source="local", path=str(tmp_path), n_samples=2, seq_len=16, eval_n_samples=2, eval_seq_len=16)
+    w = build_windows(DataConfig(**base), tiny.tokenizer)
+    assert w.long is None and w.long_sha256 is None
+    wl = build_windows(DataConfig(**base, long_n_samples=2, long_seq_len=64), tiny.tokenizer)
+    assert wl.long.shape == (2, 64) and torch.equal(wl.long[0, :16], wl.eval[0])  # the same text, from its start
+    assert torch.equal(wl.calib, w.calib) and torch.equal(wl.eval, w.eval)
+    assert wl.data_id != w.data_id  # stage results computed with long windows are keyed apart
+    with pytest.raises(UserError, match=r"asked for 99 long-context evaluation \(data.long_n_samples\) windows"):
+        build_windows(DataConfig(**base, long_n_samples=99, long_seq_len=64), tiny.tokenizer)

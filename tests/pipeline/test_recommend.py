@@ -64,3 +64,13 @@ def test_bad_input_is_refused_by_name(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path / "nope")],
                          capture_output=True, text=True, cwd=str(ROOT))
     assert bad.returncode == EXIT_USER and "has no summary.json" in bad.stderr
+
+
+def test_the_long_context_evaluation_decides_when_the_run_has_one():
+    """int4 per token-head is within the gate on short windows but over it at 8k: the long figures decide."""
+    long = {"windows": 8, "seq_len": 8192, "recipes": {
+        "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.004), "vllm-int4-per-token-head": row(4.5, 1.06)}}
+    rec = recommend({**SUMMARY, "evaluation_long": long}, "gpu")
+    assert rec["pick"]["recipe"] == "fp8-e4m3" and (rec["windows"], rec["seq_len"]) == (8, 8192)
+    assert "evaluated in this run on 8 windows x 8192 tokens" in format_recommendation(rec)
+    assert recommend(SUMMARY, "gpu")["pick"]["recipe"] == "vllm-int4-per-token-head"

@@ -20,6 +20,7 @@ RECIPES = ["fp16", "kivi-2", "kvquant-3b-1pct+smooth+prefix", "kvquant-2b-1pct",
 
 def _cfg() -> RunConfig:
     return RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=RECIPES),
+                     data=DataConfig(long_n_samples=1),  # the long-context evaluation
                      layer_policy=LayerPolicyConfig(enabled=True, budget=3.0,
                                                     options=["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"]))
 

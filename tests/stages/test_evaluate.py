@@ -155,9 +155,32 @@ def test_units_count_every_recipe_seed_and_window_and_kl_weighs_by_the_reference
     assert out.meta["units"] == 2 * 1 + 2 * 3
     plain = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, w, [ref, q])).meta["recipes"]["int2"]
     with torch.no_grad():
-        kl = 0.0
+        kl, per_position = 0.0, torch.zeros(w.shape[1], dtype=torch.float64)
         for i in range(w.shape[0]):
             p_ref = torch.log_softmax(tiny.model(w[i : i + 1]).logits[0].float(), -1)
             logp = evaluate.policy_logprobs(tiny.model, w[i : i + 1], q)
             kl += float((p_ref.exp() * (p_ref - logp)).sum())
+            per_position += (p_ref.exp() * (p_ref - logp)).sum(-1).double()
     assert plain["kl"] == pytest.approx(kl / w.numel(), rel=1e-5)
+    # KL per eighth of the window: the mean over windows of each span of positions, in order
+    spans = torch.tensor_split(per_position / w.shape[0], evaluate.KL_BUCKETS)
+    assert plain["kl_buckets"] == pytest.approx([float(x.mean()) for x in spans], rel=1e-4, abs=1e-9)
+    assert len(plain["kl_buckets"]) == 8 and plain["kl_buckets"] != plain["kl_buckets"][::-1]
+
+
+def test_bucket_means_split_positions_in_order():
+    assert evaluate.bucket_means(torch.arange(8, dtype=torch.float64), 4) == [0.5, 2.5, 4.5, 6.5]
+    assert evaluate.bucket_means(torch.arange(5, dtype=torch.float64), 2) == [1.0, 3.5]  # spans of 3 and 2
+
+
+def test_query_chunks_read_only_the_rows_their_queries_see(tiny, tiny_windows, monkeypatch):
+    """At long context the residual path runs in chunks of queries, each over the rows its queries can see
+    (causal): the same log-probabilities as one chunk over every row."""
+    w = tiny_windows.eval[:1]  # 48 tokens
+    p = _policy("int2-recent8", INT2, INT2, n_sink=2, residual=8)
+    whole = evaluate.policy_logprobs(tiny.model, w, p)
+    monkeypatch.setattr(evaluate, "QUERY_CHUNK", 7)  # 7 chunks, the last one short
+    chunked = evaluate.policy_logprobs(tiny.model, w, p)
+    assert torch.allclose(whole, chunked, atol=1e-5, rtol=0)  # the fused path (chunks) vs the materialized one
+    ref = evaluate.policy_logprobs(tiny.model, w, _policy("fp16", FP16, FP16))
+    assert (whole - ref).abs().max() > 1e-3  # the encoded rows are read: the test can tell a wrong chunk

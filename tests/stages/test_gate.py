@@ -38,3 +38,18 @@ def test_a_recipe_evaluated_without_fp16_still_has_its_ratio(tiny, tiny_windows)
     verdict = gate.check(GateConfig(max_ppl_ratio=row["ppl_ratio"] * 0.999), "int4-token", recipes, None, None)
     assert not verdict["passed"] and verdict["failures"][0].startswith("perplexity ratio")
     assert gate.check(GateConfig(max_ppl_ratio=row["ppl_ratio"] * 1.001), "int4-token", recipes, None, None)["passed"]
+
+
+def test_the_long_context_evaluation_is_judged_too():
+    """A run with long-context windows (evaluate-long) fails the gate when the recipe drifts there, even when
+    the short windows pass; a long evaluation that lacks the recipe is a refusal, not a pass."""
+    cfg = GateConfig(max_ppl_ratio=1.05)
+    short = {"r": {"ppl": 10.0, "ppl_ratio": 1.01}}
+    long = {"windows": 2, "seq_len": 8192, "recipes": {"r": {"ppl": 9.0, "ppl_ratio": 1.07}}}
+    verdict = gate.check(cfg, "r", short, None, None, long)
+    assert not verdict["passed"]
+    assert verdict["failures"] == ["perplexity ratio at long context (2 x 8192 tokens) 1.0700 > max_ppl_ratio 1.05"]
+    long["recipes"]["r"]["ppl_ratio"] = 1.04
+    assert gate.check(cfg, "r", short, None, None, long)["passed"]
+    with pytest.raises(ValueError, match=r"recipe 'r' was not evaluated at long context \(2 x 8192 tokens\)"):
+        gate.check(cfg, "r", short, None, None, {"windows": 2, "seq_len": 8192, "recipes": {}})
