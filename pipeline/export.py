@@ -55,6 +55,9 @@ def export(run_dir: Path, policy: CachePolicy, spec, provenance: dict, evaluatio
            prefix: dict | None = None, overwrite: bool = False) -> dict:
     """The native artifact under run_dir/artifact. The vLLM checkpoint is written after the runtime check and
     the gate have updated the manifest (pipeline/app.py, write_vllm_checkpoint), so its copy carries both."""
+    # the KL per span of positions (stages.evaluate kl_buckets) is a diagnostic kept in summary.json; the
+    # manifest's evaluation rows keep their schema (docs/manifest.md)
+    evaluation = {name: {k: v for k, v in row.items() if k != "kl_buckets"} for name, row in evaluation.items()}
     manifest, tensors = build_manifest(policy, spec, provenance, evaluation, prefix=prefix, creator=creator())
     remove_interrupted_exports(run_dir)
     faults.point("export.before_write")
