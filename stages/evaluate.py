@@ -265,7 +265,7 @@ class _WindowMetrics:
         top-1 agreements, KL per position [T] float64)."""
         t = self.ref_top.numel()
         if hidden is None:
-            return self.ref_nll, 0.0, int(t), torch.zeros(t, dtype=torch.float64)
+            return self.ref_nll, 0.0, int(t), torch.zeros(t, dtype=torch.float64, device=self.ref_top.device)
         nll, kl, top1, rows = 0.0, 0.0, 0, []
         for i, c in enumerate(range(0, hidden.shape[0], self.step)):
             ref, ref_p = self._ref(i, c)
@@ -273,7 +273,7 @@ class _WindowMetrics:
             nll += self._nll(logp, c)
             terms = ref_p * (ref - logp)
             kl += float(terms.sum())
-            rows.append(terms.sum(-1).double().cpu())
+            rows.append(terms.sum(-1).double())  # where the head computes: summed there, read as floats at the end
             top1 += int((logp.argmax(-1) == self.ref_top[c : c + self.step]).sum())
         return nll, kl, top1, torch.cat(rows)
 
@@ -317,7 +317,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
     seeds = list(cfg.perturb_seeds) or [None]
     n_win, t = windows.shape
     stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": Ledger(),
-                      "kl_positions": torch.zeros(windows.shape[1], dtype=torch.float64),
+                      "kl_positions": None,
                       "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
              for p in policies}
     ref_nll = torch.zeros(n_win, dtype=torch.float64)
@@ -344,7 +344,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
                         st["ledger"].elements += 2 * n_rows * kv_elements
                     nll, kl, top1, kl_rows = metrics.of(hidden)
                     st["nll"][i, w], st["kl"], st["top1"] = nll, st["kl"] + kl, st["top1"] + top1
-                    st["kl_positions"] += kl_rows
+                    st["kl_positions"] = kl_rows if st["kl_positions"] is None else st["kl_positions"] + kl_rows
                     st["tokens"] += ids.shape[1]
             if progress:
                 progress(1)
