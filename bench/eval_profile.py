@@ -79,8 +79,10 @@ def profile(out: dict, names: list[str], seed: int, scale: float) -> dict:
     from stages.recipe import recipe_policy
     from pipeline.config import load_recipe
 
+    from stages.hooks import model_device
+
     lm, results = out["model"], out["results"]
-    ids = out["windows"].eval[:1]
+    ids = out["windows"].eval[:1].to(model_device(lm.model))  # where the model's inputs go (a GPU under cuda)
     rows = {}
     with torch.no_grad():
         ref_hidden = lm.model.model(ids, use_cache=False).last_hidden_state[0]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from bench.common import write_json
 from bench.quality import add_protocol_args, peer_report, protocol_config
-from pipeline.app import run_pipeline
-from pipeline.config import load_recipe
+from pipeline.app import run_pipeline, target_of
+from pipeline.config import load_recipe, recipes_of
 from stages import layer_policy, probes
 from stages.evaluate import table
 from stages.recipe import recipe_policy
@@ -149,15 +149,13 @@ def main() -> None:
             n for n in args.ours.split(",") if n in recipes]
         mixed_policies, mixed_meta = {}, {}
         for budget in [float(b) for b in args.budgets.split(",") if b]:
-            m = run_pipeline(long_config(names, args, budget), Path(tmp) / f"mixed-{budget:g}", log=print,
-                             show_progress=False)
+            cfg_b = long_config(names, args, budget)
+            m = run_pipeline(cfg_b, Path(tmp) / f"mixed-{budget:g}", log=print, show_progress=False)
             name = m["results"]["evaluate-mixed"].meta["name"]
             recipes[name] = m["results"]["evaluate-mixed"].meta["recipe"]
             mixed_meta[name] = m["results"]["evaluate-mixed"].meta["layer_policy"]
-            mixed_policies[name] = layer_policy.target_policy(
-                layer_policy.Target(load_recipe(args.mixed_options.split(",")[0]),
-                                    [load_recipe(o) for o in args.mixed_options.split(",")]),
-                m["model"].spec.n_layers, m["results"])
+            mixed_policies[name] = layer_policy.target_policy(target_of(cfg_b, recipes_of(cfg_b)),
+                                                              m["model"].spec.n_layers, m["results"])
             ours.append(name)
         probed = names + list(mixed_policies) if args.passkey_recipes is None else (
             [n for n in args.passkey_recipes.split(",") if n])

@@ -74,7 +74,7 @@ def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
                   for q in target.options]
         graph.append(layer_policy.MIXED(layer_policy.MixedJob(lp, cfg.eval, target.options)))
     if cfg.data.long_n_samples:  # every recipe (and the mixed policy) again on the long-context windows
-        graph.append(evaluate_long.STAGE(evaluate_long.LongJob(cfg.eval, recipes, target.options)))
+        graph.append(evaluate_long.STAGE(evaluate_long.LongJob(cfg.eval, recipes, target)))
     if cfg.sensitivity.enabled:
         graph.append(sensitivity.STAGE(sensitivity.SensitivityJob(cfg.sensitivity, target)))
     if cfg.probes.enabled:

@@ -229,6 +229,10 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         if not cfg.eval.enabled:
             raise UserError("layer_policy.enabled=true needs eval.enabled=true (the options' average bits come from "
                             "the evaluation); got eval.enabled=false")
+    if cfg.data.long_n_samples and not cfg.eval.enabled:  # the long windows would be cut and evaluated never
+        raise UserError(f"data.long_n_samples={cfg.data.long_n_samples} needs eval.enabled=true (evaluate-long is "
+                        f"part of the evaluation); got eval.enabled=false: set data.long_n_samples=0 too, or enable "
+                        f"the evaluation")
     if cfg.gate.enabled and not cfg.eval.enabled:  # the gate judges the evaluation: never skip it silently
         raise UserError("gate.enabled=true needs eval.enabled=true (the gate judges the evaluation's perplexity "
                         "ratio); got eval.enabled=false: set gate.enabled=false too, or enable the evaluation")

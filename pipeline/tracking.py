@@ -66,6 +66,8 @@ _FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their n
 # scales, tokenizer and the kvcalib/ record, under vllm-checkpoint/
 _CHECKPOINT_KEY = "vllm_checkpoint_dir"
 TABLE_FILE = "evaluation/table.json"  # the evaluation table, logged with MlflowClient.log_table
+# two jobs of a parallel sweep inserting one dataset at once: the later insert fails, the row exists
+_DATASET_RACE = re.compile(r"UNIQUE constraint failed: datasets\.|duplicate key value.*datasets", re.S)
 _MAX_DIGEST_CHARS = 36  # MLflow's limit on a dataset digest: the windows' sha256 is cut to it (full: input tag sha256)
 _MAX_INPUT_TAG_CHARS = 500
 
@@ -424,7 +426,7 @@ class RunRecorder:
                 self._log_batch(metrics=metrics, tags=tags)
                 faults.point("mlflow.metrics_logged")
                 if datasets:
-                    self.client.log_inputs(self.run_id, datasets=datasets)
+                    self._log_inputs(datasets)
                 self.client.log_artifacts(self.run_id, tmp)
                 if table is not None:  # a new file (log_table would append to a table.json already logged)
                     self.client.log_table(self.run_id, data=table, artifact_file=TABLE_FILE)
@@ -447,6 +449,19 @@ class RunRecorder:
         if self.tcfg.required:
             raise TrackingError(f"{message}; {where}") from exc
         self.warn(f"warning: {message}; {where}")
+
+    def _log_inputs(self, datasets: list, attempts: int = 3) -> None:
+        """log_inputs, again when a concurrent job of the same sweep inserted the same dataset between the store's
+        lookup and its insert (the server's SQL store answers with a UNIQUE constraint on datasets; the retry finds
+        the row and links it). Any other failure is raised at once."""
+        for attempt in range(attempts):
+            try:
+                self.client.log_inputs(self.run_id, datasets=datasets)
+                return
+            except Exception as exc:
+                if attempt == attempts - 1 or not _DATASET_RACE.search(str(exc)):
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
     def _log_batch(self, metrics: dict[str, float] | None = None, params: dict[str, str] | None = None,
                    tags: dict[str, str] | None = None) -> None:

@@ -4,7 +4,7 @@ the memory problem and where sinks and a recent window cost a fraction of a bit.
 recommend` read its figures when a run has them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from stages import evaluate
 from stages.base import Context, Declaration, StageResult
@@ -15,22 +15,22 @@ from stages.recipe import QuantConfig, inputs_of, recipe_policy
 
 @dataclass
 class LongJob:
-    """The evaluate-long stage's config: the evaluation's knobs, every recipe whole, and the mixed policy's options
-    (empty without layer_policy)."""
+    """The evaluate-long stage's config: the evaluation's knobs, every recipe whole, and what the run exports
+    (pipeline.app.target_of): its mixed per-layer policy is evaluated too when it has options."""
     eval: EvalConfig
     recipes: list[QuantConfig]
-    options: list[QuantConfig] = field(default_factory=list)
+    target: Target
 
 
 def _inputs(job: LongJob) -> list[str]:
-    mixed = target_inputs(Target(job.recipes[0], job.options)) if job.options else []
+    mixed = target_inputs(job.target) if job.target.options else []
     return list(dict.fromkeys(inputs_of(job.recipes) + mixed))
 
 
 def _fit(ctx: Context, inputs: dict, job: LongJob, progress) -> StageResult:
     policies = [recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.recipes]
-    if job.options:
-        policies.append(target_policy(Target(job.recipes[0], job.options), ctx.spec.n_layers, inputs))
+    if job.target.options:
+        policies.append(target_policy(job.target, ctx.spec.n_layers, inputs))
     return evaluate.fit(evaluate.Inputs(ctx.model, ctx.spec, ctx.long, policies), job.eval, progress)
 
 

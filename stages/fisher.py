@@ -19,7 +19,8 @@ import torch
 import torch.utils.checkpoint
 
 from stages.base import Context, Declaration, calib_units, InputError, StageResult, check_finite
-from stages.hooks import attention_layers, forward_hooks, head_rows, key_module, lm_logits, logit_rows, model_device
+from stages.hooks import (attention_layers, forward_hooks, head_rows, key_module, lm_logits, logit_rows, model_device,
+                          patched_forwards)
 from stages.prefix_tokens import prepend
 
 
@@ -74,14 +75,9 @@ def recomputed_layers(layers, enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    originals = [layer.forward for layer in layers]
-    for layer, forward in zip(layers, originals):
-        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=False)
-    try:
+    with patched_forwards(layers, lambda _i, forward: functools.partial(torch.utils.checkpoint.checkpoint, forward,
+                                                                         use_reentrant=False)):
         yield
-    finally:
-        for layer in layers:
-            del layer.forward  # the class's own forward again
 
 
 def fit(inputs: Inputs, cfg: FisherConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:

@@ -95,19 +95,31 @@ def forward_hooks(hooks: list[tuple[torch.nn.Module, Callable, bool]]) -> Iterat
 
 
 @contextmanager
+def patched_forwards(layers, wrap: Callable[[int, Callable], Callable]) -> Iterator[None]:
+    """Within the block layer i's forward is wrap(i, its forward as it is now); on exit each layer's forward is
+    what it was before -- a forward set on the layer object by someone else (accelerate's device-alignment hook
+    under a device_map) put back, the class's own where there was none."""
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for i, layer in enumerate(layers):
+        layer.forward = wrap(i, layer.forward)
+    try:
+        yield
+    finally:
+        for layer, own in zip(layers, saved):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
+
+
+@contextmanager
 def replayed_layers(layers, outputs: list[torch.Tensor], upto: int) -> Iterator[None]:
     """Within the block decoder layers 0 .. upto-1 return outputs[i] (what a recorded forward's layer i returned)
     instead of computing: a forward that differs from a recorded one only from layer `upto` on computes only from
     there, with the same results (each layer's output depends on its input and its own attention alone). The
     decoder layers of the supported models return their hidden states as one tensor, which is what is replayed."""
-    patched = layers[:upto]
-    for i, layer in enumerate(patched):
-        layer.forward = functools.partial(_replay, outputs[i])
-    try:
+    with patched_forwards(layers[:upto], lambda i, _forward: functools.partial(_replay, outputs[i])):
         yield
-    finally:
-        for layer in patched:
-            del layer.forward  # the class's own forward again
 
 
 def _replay(output: torch.Tensor, *args, **kwargs) -> torch.Tensor:

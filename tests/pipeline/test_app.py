@@ -43,6 +43,18 @@ def test_peer_formats_are_fine_as_comparison_recipes():
     assert [q.name for q in validate_run(cfg)] == ["kvquant-4b-1pct", *names]
 
 
+def test_long_windows_without_the_evaluation_are_refused_naming_both_fields():
+    from pipeline.config import DataConfig, GateConfig
+    from pipeline.errors import UserError
+
+    cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), data=DataConfig(long_n_samples=2),
+                    eval=EvalConfig(enabled=False), gate=GateConfig(enabled=False))
+    with pytest.raises(UserError, match=r"^data\.long_n_samples=2 needs eval\.enabled=true .* got eval\.enabled=false"):
+        validate_run(cfg)
+    cfg.data.long_n_samples = 0
+    validate_run(cfg)
+
+
 def test_a_run_with_long_windows_evaluates_every_recipe_and_the_mixed_policy_there(tmp_path):
     """data.long_n_samples > 0: the evaluate-long stage evaluates the run's recipes and its mixed per-layer policy
     on the long windows; the summary carries them and the gate judges them (here with a threshold nothing fails)."""

@@ -203,7 +203,7 @@ def test_store_keeps_a_whole_entry_already_there_and_replaces_a_damaged_one(tmp_
 
 # ------------------------------------------------------------------------------------------------ end to end
 
-TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
+TINY = ["model=tiny", "quant=kvquant-4b-1pct", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
         "traces.reservoir_size=16", "probes.lengths=[64]", "sensitivity.variants=[kv]", "eval.recipes=[fp16]",
         "check.enabled=false", "tracking.enabled=false"]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
+TINY = ["model=tiny", "quant=kvquant-4b-1pct", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
         "traces.reservoir_size=16", "probes.lengths=[64]", "sensitivity.variants=[kv]", "eval.recipes=[fp16]",
         "check.enabled=false"]
 # every point is reached by the TINY run (kvquant-4b-1pct: one calibration group f0.01-s1-pre); ten run by

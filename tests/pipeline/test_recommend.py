@@ -74,3 +74,15 @@ def test_the_long_context_evaluation_decides_when_the_run_has_one():
     assert rec["pick"]["recipe"] == "fp8-e4m3" and (rec["windows"], rec["seq_len"]) == (8, 8192)
     assert "evaluated in this run on 8 windows x 8192 tokens" in format_recommendation(rec)
     assert recommend(SUMMARY, "gpu")["pick"]["recipe"] == "vllm-int4-per-token-head"
+
+
+def test_a_format_over_the_gate_on_the_short_windows_is_not_picked_for_its_long_figures():
+    """The gate fails a recipe over max_ppl_ratio on either evaluation; recommend judges by the same rule: int4
+    per token-head within it at 8k but over it on the 1k windows is not a candidate."""
+    short = {**SUMMARY["evaluation"], "recipes": {**SUMMARY["evaluation"]["recipes"],
+                                                  "vllm-int4-per-token-head": row(4.5, 1.07)}}
+    long = {"windows": 8, "seq_len": 8192, "recipes": {
+        "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.004), "vllm-int4-per-token-head": row(4.5, 1.02)}}
+    rec = recommend({**SUMMARY, "evaluation": short, "evaluation_long": long}, "gpu")
+    int4 = next(r for r in rec["rows"] if r["recipe"] == "vllm-int4-per-token-head")
+    assert not int4["within_gate"] and int4["ppl_ratio"] == 1.02 and rec["pick"]["recipe"] == "fp8-e4m3"

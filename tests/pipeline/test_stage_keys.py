@@ -121,6 +121,7 @@ def test_every_run_config_field_a_stage_reads_moves_a_key(tmp_path):
             if path[-1] == "enabled":  # a switch: the stage leaves the graph (and the gate needs the evaluation)
                 changed.gate.enabled = changed.eval.enabled
                 changed.layer_policy.enabled = changed.layer_policy.enabled and changed.eval.enabled
+                changed.data.long_n_samples = changed.data.long_n_samples if changed.eval.enabled else 0
                 names = {s.name for s in stage_graph(changed, validate_run(changed))}
                 assert names < {s.name for s in base_graph}, f"{'.'.join(path)}=false left the graph as it was"
                 continue
