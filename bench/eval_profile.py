@@ -77,9 +77,8 @@ def profile(out: dict, names: list[str], seed: int, scale: float) -> dict:
     """-> {recipe: {part: seconds}} for one unit each (the first evaluation window, perturbation seed `seed`)."""
     from stages import evaluate
     from stages.recipe import recipe_policy
-    from pipeline.config import load_recipe
-
     from stages.hooks import model_device
+    from pipeline.config import load_recipe
 
     lm, results = out["model"], out["results"]
     ids = out["windows"].eval[:1].to(model_device(lm.model))  # where the model's inputs go (a GPU under cuda)

