@@ -183,3 +183,29 @@ def test_the_evaluation_quantizes_each_layers_keys_before_its_own_rope(tiny_gemm
         # the keys reach the cache post-RoPE in fp16: inverted in float32, they are k_norm up to that rounding
         err = (seen[layer][0] - k_norm[layer]).abs().max()
         assert err < 4e-3 * k_norm[layer].abs().max(), (layer, float(err))
+
+
+def test_the_residual_chunks_keep_the_sliding_window(tiny_gemma3, monkeypatch):
+    """Long windows run the residual path in chunks of queries (stages.evaluate._residual_fused). On Gemma 3's
+    local layers (sliding window 16 here, 48 tokens) each chunk must read only the rows the model's own mask lets
+    its queries see: an fp16 cache with sinks and a recent window served through the chunks is the plain model,
+    and quantized rows give the same log-probabilities in chunks as in one materialized pass."""
+    from exporters.codec import CachePolicy, TensorPolicy
+    from stages import evaluate
+
+    lm = tiny_gemma3
+    assert lm.model.config.sliding_window == 16
+    ids = _ids(lm, n=48, seed=3)
+    n = lm.spec.n_layers
+    fp16, int2 = TensorPolicy(format="fp16", bits=16), TensorPolicy(format="uniform", bits=2, axis="token")
+    exact = CachePolicy(name="fp16-windows", layers=[(fp16, fp16)] * n, n_sink=2, residual=8)
+    coarse = CachePolicy(name="int2-windows", layers=[(int2, int2)] * n, n_sink=2, residual=8)
+    with torch.no_grad():
+        ref = torch.log_softmax(lm.model(ids).logits[0].float(), -1)
+    whole = evaluate.policy_logprobs(lm.model, ids, coarse)
+    monkeypatch.setattr(evaluate, "QUERY_CHUNK", 7)  # 7 chunks: the fused path, most chunks past the window
+    assert (evaluate.policy_logprobs(lm.model, ids, exact) - ref).abs().max() < 1e-3
+    chunked = evaluate.policy_logprobs(lm.model, ids, coarse)
+    # summation order only (SDPA per chunk vs one softmax; Gemma's norms amplify it to ~2e-4 on this random model)
+    assert torch.allclose(whole, chunked, atol=1e-3, rtol=0)
+    assert (whole - ref).abs().max() > 1e-2  # the encoded rows are read: the comparison can tell a wrong chunk
