@@ -472,6 +472,7 @@ def part_generate(smoke: Smoke) -> tuple[dict, list[str]]:
     from exporters.native import load_artifact
     from pipeline.check import eval_ids
     from runtime_check.blockwise import generate
+    from runtime_check.cache import cache_kwargs
 
     lm, s = got["lm"], smoke.sizes
     policy = load_artifact(got["artifact_dir"], lm.spec).policy
@@ -482,7 +483,7 @@ def part_generate(smoke: Smoke) -> tuple[dict, list[str]]:
     def served(new: int, kind: str):
         if kind == "fp16":
             cache = DynamicCache(config=lm.model.config)
-            out = lm.model.generate(prompt, attention_mask=mask, cache=cache, max_new_tokens=new,
+            out = lm.model.generate(prompt, attention_mask=mask, **cache_kwargs(lm.model, cache), max_new_tokens=new,
                                     min_new_tokens=new, **kw)
         else:
             out, cache = generate(lm.model, policy, prompt, attention_mask=mask, max_new_tokens=new,

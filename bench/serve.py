@@ -31,7 +31,7 @@ from pipeline.config import ModelConfig
 from pipeline.data import read_text, tokenize
 from pipeline.model import load_model
 from runtime_check.blockwise import generate
-from runtime_check.cache import ArtifactCache
+from runtime_check.cache import ArtifactCache, cache_kwargs
 from stages.probes import passkey_prompt
 
 def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "blockwise") -> torch.Tensor:
@@ -40,7 +40,7 @@ def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "b
     kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():
         if policy is None:
-            out = model.generate(prompt, cache=DynamicCache(config=model.config), **kw)
+            out = model.generate(prompt, **cache_kwargs(model, DynamicCache(config=model.config)), **kw)
         else:
             out, _ = generate(model, policy, prompt, attention=attention, **kw)
     return out[0, prompt.shape[1]:]

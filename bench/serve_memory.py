@@ -64,7 +64,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.common import wikitext_dir, write_json
-from runtime_check.cache import BLOCK, PAGE
+from runtime_check.cache import BLOCK, PAGE, cache_kwargs
 
 CACHES = ("fp16", "artifact", "materialize")
 MB = 2 ** 20
@@ -317,7 +317,8 @@ def passkey(args, lm, policy) -> dict:
             prompt = torch.tensor([passkey_prompt(tok, n, depth, key)[0]])
             mask = torch.ones_like(prompt)
             with torch.no_grad(), positions_for(model, prompt.shape[1] + 8):
-                ref = model.generate(prompt, attention_mask=mask, cache=DynamicCache(config=model.config), **kw)
+                ref = model.generate(prompt, attention_mask=mask, **cache_kwargs(model, DynamicCache(config=model.config)),
+                                     **kw)
                 got, _ = generate(model, policy, prompt, attention_mask=mask, block=args.block, page=args.page, **kw)
             for name, out in (("fp16", ref), ("artifact", got)):
                 hits[name] += int(str(key) in tok.decode(out[0, prompt.shape[1]:]))

@@ -13,6 +13,7 @@ from exporters.ledger import predict_bytes
 from pipeline import faults
 from exporters.files import atomic_write_text
 from stages import evaluate, gate, sensitivity
+from stages.hooks import model_device
 
 
 def drift(cfg, results: dict, target: CachePolicy) -> dict:
@@ -42,13 +43,13 @@ def drift(cfg, results: dict, target: CachePolicy) -> dict:
 
 def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, context: int = 12) -> list[dict]:
     """Positions of one evaluation window where the quantized cache changes the greedy next token."""
-    ids = window[None]
+    ids = window[None].to(model_device(lm.model))  # the window is stored on the CPU; the model may be on a GPU
     with torch.no_grad():
-        ref = lm.model(ids, use_cache=False).logits[0].argmax(-1)
-        got = evaluate.policy_logprobs(lm.model, ids, target).argmax(-1)
+        ref = lm.model(ids, use_cache=False).logits[0].argmax(-1).tolist()
+        got = evaluate.policy_logprobs(lm.model, ids, target).argmax(-1).tolist()
     tok = lm.tokenizer
     rows = []
-    for pos in (ref != got).nonzero().flatten().tolist()[:n]:
+    for pos in [i for i, (a, b) in enumerate(zip(ref, got)) if a != b][:n]:
         rows.append({"position": pos, "context": tok.decode(window[max(0, pos - context + 1): pos + 1]),
                      "fp16": tok.decode(ref[pos : pos + 1]), "quantized": tok.decode(got[pos : pos + 1])})
     return rows

@@ -44,7 +44,7 @@ from exporters.codec import CachePolicy, decode
 from exporters.layout import PAGE, StoredBlock, load, n_outliers, outlier_coordinates, pages_of, slice_rows
 from exporters.rope import apply_rope, rotary_tables
 from exporters.served_rows import flush_unit
-from runtime_check.cache import BLOCK, ArtifactCache, ArtifactLayer, check_batch
+from runtime_check.cache import BLOCK, ArtifactCache, ArtifactLayer, cache_kwargs, check_batch
 from runtime_check.inputs import DecodeInputs, from_layer
 from stages.base import InputError
 
@@ -493,10 +493,10 @@ def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask
         if mask is not None:
             mask = torch.cat([mask.new_ones(mask.shape[0], ahead.numel()), mask], 1)
     if attention == "materialize":
-        out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
+        out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), **kwargs)
     else:
         with serving(model, cache):
-            out = model.generate(ids, attention_mask=mask, cache=cache, **kwargs)
+            out = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), **kwargs)
     if ahead is not None:  # the prompt as given, then the new tokens
         if isinstance(out, torch.Tensor):
             out = out[:, ahead.numel():]

@@ -59,6 +59,16 @@ _NO_OFFLOAD = ("ArtifactCache.offload: not implemented -- the encoded blocks (pa
 _NO_PREFETCH = "ArtifactCache.prefetch: not implemented -- the cache is never offloaded (see ArtifactCache.offload)"
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict:
+    """{name: cache} for handing a cache to model(...) / model.generate(...): transformers 5.25 names the argument
+    `cache`, earlier 5.x releases (pyproject allows >=5.0) `past_key_values`; an unknown name would be swallowed by
+    **kwargs and the model would run without the cache (found on the GPU machine's transformers 5.17)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 class ArtifactLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False

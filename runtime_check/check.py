@@ -56,7 +56,7 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
     decode step. prefix: {"ids": [P], "k", "v": [L, H, P, D]} the artifact's full-precision rows, which the
     cache serves at positions 0..P-1 before the ids (ArtifactCache(..., prefix=...)); None for a policy without
     a prefix, or to have the cache compute them from the model."""
-    from runtime_check.cache import ArtifactCache
+    from runtime_check.cache import ArtifactCache, cache_kwargs
     from runtime_check.inputs import from_layer, inputs_to
     from stages.hooks import attention_override, eager_attention, model_device, model_rotaries
 
@@ -71,9 +71,9 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
         return eager_attention(query, key, value, mask, scaling)
 
     with torch.no_grad():
-        model(ids[:, :-1], cache=cache)
+        model(ids[:, :-1], **cache_kwargs(model, cache))
         with attention_override(model, capture):
-            model(ids[:, -1:], cache=cache)
+            model(ids[:, -1:], **cache_kwargs(model, cache))
     rotaries = model_rotaries(model)  # each layer's own RoPE (local and global layers may differ)
     inputs = []
     for i, layer in enumerate(cache.layers):

@@ -350,3 +350,22 @@ def test_a_prefix_policy_is_served_after_its_prefix(tiny):
     with pytest.raises(ValueError, match="policy kvq has no prefix"):
         ArtifactCache(kvquant_policy(spec.n_layers, spec.n_kv_heads, spec.head_dim), tiny.model,
                       prefix={"k": shipped["k_post"], "v": shipped["v"]})
+
+
+def test_cache_kwargs_follows_the_models_argument_name():
+    """transformers 5.25 calls the argument `cache`, earlier 5.x `past_key_values`: a wrong name is swallowed by
+    **kwargs and the model runs without the cache, so the name is read from the model's own forward."""
+    from runtime_check.cache import cache_kwargs
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    marker = object()
+    assert cache_kwargs(Old(), marker) == {"past_key_values": marker}
+    assert cache_kwargs(New(), marker) == {"cache": marker}
+    assert Old()(None, **cache_kwargs(Old(), marker)) is marker
