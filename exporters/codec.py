@@ -29,10 +29,11 @@ over the D channels:
 - int_sym (vLLM int8_per_token_head; b = 4 or 8, qmax = 2^(b-1) - 1): s = max(amax / qmax, 1e-6) in fp32,
     code = clamp(round_half_away(x * (1 / s)), -qmax - 1, qmax) (int8), x^ = code * s.
 - rht_int (vLLM int4_per_token_head; b = 4): y = fp16(H_b (d * x)) (exporters/rotation.py: unnormalized
-    randomized Hadamard; the rotated row is rounded to the cache's input dtype), s = max((max y - min y) / 15,
-    1e-6) in fp32, zp = clamp(round_half_away(-min y / s), 0, 15), code = clamp(round_half_away(y * (1 / s) + zp),
-    0, 15). Stored: one fp32 whose 4 low mantissa bits are replaced by zp; decode reads zp from those bits and
-    the truncated scale s' = s with them zeroed: y^ = s' (code - zp), x^ = d * (H_b y^) / b.
+    randomized Hadamard by vLLM's float32 butterfly; the rotated row is rounded to the cache's input dtype),
+    s = max((max y - min y) / 15, 1e-6) in fp32, zp = clamp(round_half_away(-min y / s), 0, 15),
+    code = clamp(round_half_away(y * (1 / s) + zp), 0, 15) (a NaN, from an fp16 overflow, clamps to 0, as in vLLM).
+    Stored: one fp32 whose 4 low mantissa bits are replaced by zp; decode reads zp from those bits and the
+    truncated scale s' = s with them zeroed: y^ = s' (code - zp), x^ = d * (H_b y^) / b.
 - turbo_mse (TurboQuant MSE keys; b = 3 or 4): n = |x| (stored fp16), u = (H_D / sqrt(D)) (x / (n + 1e-8)),
     code = #{midpoints <= u} (bucketize, ties up) over the Lloyd-Max levels c for N(0, 1/D)
     (exporters/lloyd_max.py, derived from (b, D), never calibrated). Decode: v = c[code], with norm correction
@@ -41,6 +42,14 @@ over the D channels:
     code = clamp(floor((x - min) / s + 0.5), 0, 2^b - 1) (round half up), x^ = code * fp16(s) + fp16(min): the
     codes use the fp32 scale and min, decode their fp16 copies (unlike `uniform`, which codes with the fp16 ones
     and rounds half to even).
+- ultra_fp4 / ultra_fp4_rot (vLLM ultraquant_4bit values / keys; b = 4; D a power of two >= 32): groups of 32
+    channels, s = 2^e with e = floor(log2(fp32(0.156) * amax) + 0.5) (stored as the UE8M0 byte e + 127; an all-zero
+    group stores byte 0 and codes +0), code = the FP4 E2M1 bit pattern of the nearest of the 15 levels
+    {0, +-0.5, +-1, +-1.5, +-2, +-3, +-4, +-6} to x / s (bucketize over their 14 midpoints: a tie goes to the lower
+    level, i.e. toward zero for x > 0 and away from it for x < 0), x^ = fp4(code) * 2^(byte - 127) (byte 0 -> 0).
+    ultra_fp4_rot rotates first, y = H_D x / sqrt(D) by UltraQuant's butterfly (exporters/rotation.py
+    fwht_orthonormal), and decodes x^ = H_D y^ / sqrt(D); vLLM never un-rotates (it rotates the query), and
+    `decode_rotated` gives y^, what its reader dequantizes to.
 
 Every format is one registered object, a `Format` row of FORMATS (at the end of this module): its axes, bits,
 whether and on which axes it exports, whether it takes sparse outliers or a rotation, its zero point, its
@@ -63,6 +72,15 @@ ALLOWED_BITS = (2, 3, 4, 8)   # the code widths of uniform and nuq (their Format
 FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 FP8_ROUNDINGS = ("nearest", "toward_zero")
 MIN_SCALE = 1e-6          # vLLM's floor on per-token-head scales (int_sym, fp8 axis token, rht_int)
+ULTRA_GROUP = 32          # UltraQuant: channels per UE8M0 scale (vllm/v1/attention/ops/ultraquant/format.py:97)
+ULTRA_C = 0.156           # UltraQuant: s_raw = c * amax before the power-of-two snap (format.py:106)
+UE8M0_BIAS = 127          # a UE8M0 byte e is the scale 2^(e - 127); byte 0 is the zero group
+# FP4 E2M1 values by bit pattern: bit 3 the sign, bits 0-2 the magnitude {0, 0.5, 1, 1.5, 2, 3, 4, 6}
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = FP4_MAGNITUDES + tuple(-v for v in FP4_MAGNITUDES)
+# the 15 distinct FP4 levels, sorted, and the 14 midpoints between neighbours that ultra_fp4 bucketizes against
+FP4_LEVELS = tuple(sorted(set(FP4_VALUES)))
+FP4_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(FP4_LEVELS, FP4_LEVELS[1:]))
 TURBO_MIN_SCALE = 1e-8    # TurboQuant's floor on the value scale
 TURBO_NORM_EPS = 1e-8     # TurboQuant: x / (|x| + eps) before the rotation
 NC_EPS = 1e-16            # TurboQuant norm correction: v / sqrt(sum v^2 + eps)
@@ -223,7 +241,8 @@ class Encoded:
     dense: torch.Tensor | None = None                     # [B, H, T, D] fp16 (format fp16) or float8 (fp8)
     scale: torch.Tensor | None = None                     # uniform: [B,H,T,1] (token) | [B,H,n_groups,D] (channel);
                                                           # [B,H,T,1] fp32 (int_sym, fp8 token, rht_int with zp in
-                                                          # its low bits) | fp16 (turbo_mse: |x|, turbo_uniform)
+                                                          # its low bits) | fp16 (turbo_mse: |x|, turbo_uniform);
+                                                          # [B,H,T,D/32] uint8 UE8M0 bytes (ultra_fp4, _rot)
     zero: torch.Tensor | None = None                      # same shape as scale (uniform / turbo_uniform min, nuq zero)
     outlier_index: torch.Tensor | None = None             # [n, 4] int64 (b, h, t, d)
     outlier_value: torch.Tensor | None = None             # [n] fp16
@@ -296,6 +315,16 @@ def encode(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> Encoded:
 def decode(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     """Encoded -> [B, H, T, D] float32."""
     return FORMATS[p.format].decode(e, p)
+
+
+def decode_rotated(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """A rotating format's reconstruction before its rotation is undone, [B, H, T, D] float32: what vLLM's readers
+    dequantize to (they rotate the query instead), so a check can compare the codec with them value for value."""
+    fmt = FORMATS[p.format]
+    if fmt.decode_rotated is None:
+        raise CodecError(f"decode_rotated: format {p.format} stores no rotated row; allowed formats "
+                         f"{formats_where(lambda f: f.decode_rotated is not None)}, got {p.format!r}")
+    return fmt.decode_rotated(e, p)
 
 
 def fake_quant(x: torch.Tensor, p: TensorPolicy, where: str = "tensor") -> tuple[torch.Tensor, Encoded]:
@@ -435,8 +464,10 @@ def _encode_rht_int(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
     y = rotation.rht(x).to(torch.float16).float()        # rotated, then rounded to the cache's input dtype
     mn, mx = y.amin(-1, keepdim=True), y.amax(-1, keepdim=True)
     s = ((mx - mn) / top).clamp_min(MIN_SCALE)                                     # [B, H, T, 1] fp32
-    zp = round_half_away(-mn / s).clamp(0, top)
-    codes = round_half_away(y * (1 / s) + zp).clamp(0, top).to(torch.uint8)
+    # vLLM converts to int32 before it clamps, which puts a NaN on 0 (CUDA's conversion gives 0, x86's a value
+    # below 0): NaN arises where the fp16 rotation overflowed (|H_b x| > 65504), s = inf and the row is lost anyway
+    zp = round_half_away(-mn / s).nan_to_num(nan=0.0).clamp(0, top)
+    codes = round_half_away(y * (1 / s) + zp).nan_to_num(nan=0.0).clamp(0, top).to(torch.uint8)
     packed = (s.view(torch.int32) & ~ZP_MASK) | zp.to(torch.int32)
     return Encoded(tuple(x.shape), codes=codes, scale=packed.view(torch.float32))
 
@@ -447,9 +478,14 @@ def rht_scale_and_zero(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return (bits & ~ZP_MASK).view(torch.float32), (bits & ZP_MASK).float()
 
 
-def _decode_rht_int(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+def _rotated_rht_int(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """s' (code - zp), the rotated row vLLM's int4 attention reads (int4_per_token_head.py:547-554, 569-593)."""
     s, zp = rht_scale_and_zero(e.scale)
-    return rotation.rht_inverse(s * (e.codes.float() - zp))
+    return s * (e.codes.float() - zp)
+
+
+def _decode_rht_int(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    return rotation.rht_inverse(_rotated_rht_int(e, p))
 
 
 def turbo_codebook(bits: int, d: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,13 +510,19 @@ def _encode_turbo_mse(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
     return Encoded(tuple(x.shape), codes=codes, scale=norm.to(torch.float16))
 
 
-def _decode_turbo_mse(e: Encoded, p: TensorPolicy) -> torch.Tensor:
-    d = e.shape[-1]
-    levels, _ = turbo_codebook(p.bits, d, e.codes.device)
+def _rotated_turbo_mse(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """fp16(|x|) * c in the rotated basis, c the levels of the codes (unit norm with nc): what vLLM's readers
+    dequantize a key to (triton_turboquant_decode.py:378-409) before the rotation is undone."""
+    levels, _ = turbo_codebook(p.bits, e.shape[-1], e.codes.device)
     v = levels[e.codes.long()]                                                     # [B, H, T, D]
     if p.norm_correction:
         v = v * (1 / torch.sqrt((v * v).sum(-1, keepdim=True) + NC_EPS))
-    return (e.scale.float() * v) @ _turbo_rotation(d, "decode", v.device)
+    return e.scale.float() * v
+
+
+def _decode_turbo_mse(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    d = e.shape[-1]
+    return _rotated_turbo_mse(e, p) @ _turbo_rotation(d, "decode", e.codes.device)
 
 
 def _encode_turbo_uniform(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
@@ -494,6 +536,63 @@ def _encode_turbo_uniform(x: torch.Tensor, p: TensorPolicy, where: str) -> Encod
 
 def _decode_turbo_uniform(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     return e.codes.float() * e.scale.float() + e.zero.float()
+
+
+def _ultra_head_dim(d: int, fmt: str, where: str) -> None:
+    if d < ULTRA_GROUP or d & (d - 1):
+        raise CodecError(f"{where}: format {fmt} needs a power-of-two head_dim of at least {ULTRA_GROUP} (UltraQuant's "
+                         f"groups of {ULTRA_GROUP} and its store kernel's butterfly over the whole head), got D={d}")
+
+
+def _ultra_fp4(y: torch.Tensor) -> Encoded:
+    """y [B, H, T, D] float32 (rotated or not) -> FP4 bit patterns [B, H, T, D] and UE8M0 bytes [B, H, T, D / 32].
+    The power-of-two scale makes y / s exact, so only the snap of the scale and the ties at the midpoints decide;
+    both follow the store kernel (triton_store.py:179-220), which reference.py:_ue8m0_snap_tensor matches except
+    below 2^-127, where the kernel writes the zero byte and the reference clamps to 2^-126 (unreachable from fp16 or
+    bf16 K/V)."""
+    b, h, t, d = y.shape
+    g = y.reshape(b, h, t, d // ULTRA_GROUP, ULTRA_GROUP)
+    amax = g.abs().amax(-1)                                                        # [B, H, T, G]
+    zero = amax == 0
+    s_raw = torch.where(zero, 1.0, amax * ULTRA_C)
+    exp = torch.floor(torch.log2(s_raw) + 0.5).to(torch.int32)                     # round half up in the log domain
+    s = torch.where(zero, 1.0, torch.exp2(exp.float()))
+    byte = exp + UE8M0_BIAS
+    byte = torch.where(zero | (byte < 0) | (byte > 255), 0, byte).to(torch.uint8)
+    mids = torch.tensor(FP4_MIDPOINTS, dtype=torch.float32, device=y.device)
+    idx = torch.bucketize((g / s[..., None]).contiguous(), mids)                  # #{midpoints < y / s}: ties go down
+    idx = torch.where(zero[..., None], FP4_LEVELS.index(0.0), idx)                # an all-zero group codes +0
+    lower = idx < FP4_LEVELS.index(0.0)
+    codes = torch.where(lower, 8 + (FP4_LEVELS.index(0.0) - idx), idx - FP4_LEVELS.index(0.0))
+    return Encoded((b, h, t, d), codes=codes.reshape(b, h, t, d).to(torch.uint8), scale=byte)
+
+
+def ultra_scales(byte: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes -> float32 2^(byte - 127), byte 0 -> 0 (the zero group)."""
+    e = byte.to(torch.int32)
+    return torch.where(e == 0, 0.0, torch.exp2((e - UE8M0_BIAS).float()))
+
+
+def _dequant_ultra(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    """fp4(code) * 2^(byte - 127) per group of 32, float32 (exact): in the rotated basis for ultra_fp4_rot."""
+    b, h, t, d = e.shape
+    values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=e.codes.device)[e.codes.long()]
+    g = values.reshape(b, h, t, d // ULTRA_GROUP, ULTRA_GROUP) * ultra_scales(e.scale)[..., None]
+    return g.reshape(b, h, t, d)
+
+
+def _encode_ultra_fp4(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    _ultra_head_dim(x.shape[-1], p.format, where)
+    return _ultra_fp4(x)
+
+
+def _encode_ultra_fp4_rot(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
+    _ultra_head_dim(x.shape[-1], p.format, where)
+    return _ultra_fp4(rotation.fwht_orthonormal(x))
+
+
+def _decode_ultra_fp4_rot(e: Encoded, p: TensorPolicy) -> torch.Tensor:
+    return rotation.fwht_orthonormal(_dequant_ultra(e, p))   # H / sqrt(D) is symmetric and its own inverse
 
 
 def _fp8_scale(p: TensorPolicy, n_heads: int) -> torch.Tensor:
@@ -563,6 +662,7 @@ SPARSE_VALUE_BITS, SPARSE_INDEX_BITS, SPARSE_ROW_COUNT_BITS = 16, 16, 16
 SCALE_BITS = 16    # per-token / per-group scales and zero-points (fp16)
 STATIC_BITS = 32   # per-layer calibrated tensors, stored float32 in the artifact
 FP32_SCALE_BITS = 32   # vLLM's per-(token, head) fp32 scale (int_sym, fp8 axis token, rht_int with its zero point)
+UE8M0_BITS = 8         # UltraQuant's one-byte power-of-two scale per group of ULTRA_GROUP channels
 def full_precision_bits(b: int, h: int, t: int, d: int) -> int:
     """t rows of [B, H, D] held in fp16."""
     return b * h * t * d * FULL_PRECISION_BITS
@@ -573,18 +673,19 @@ def code_row_bits(p: TensorPolicy, d: int) -> int:
     return 8 * -(-d * p.bits // 8)
 
 
-def row_meta_bits(p: TensorPolicy) -> int:
-    """Bits stored per (token, head) row beside its codes or fp8 values: scales, zero-points, norms."""
-    return FORMATS[p.format].row_meta_bits(p)
+def row_meta_bits(p: TensorPolicy, d: int) -> int:
+    """Bits stored per (token, head) row of d channels beside its codes or fp8 values: scales, zero-points, norms
+    (one per row for most formats; one per group of channels for ultra_fp4, hence d)."""
+    return FORMATS[p.format].row_meta_bits(p, d)
 
 
 def dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None = None) -> int:
     """t encoded rows of [B, H, D] without the sparse outliers: fp16 / fp8 values, or packed codes, plus the
     per-row metadata (row_meta_bits: an fp16 scale and zero-point per (token, head) for axis token, vLLM's fp32
-    scale, TurboQuant's fp16 norm or scale + min) or an fp16 scale and zero-point per (group, head, channel)
-    (uniform, axis channel). n_groups: scale groups of a per-channel uniform tensor; by default
-    ceil(t / group_size), a partial last group included (what encode produces; the cache only ever stores whole
-    groups)."""
+    scale, TurboQuant's fp16 norm or scale + min, UltraQuant's UE8M0 byte per 32 channels) or an fp16 scale and
+    zero-point per (group, head, channel) (uniform, axis channel). n_groups: scale groups of a per-channel uniform
+    tensor; by default ceil(t / group_size), a partial last group included (what encode produces; the cache only
+    ever stores whole groups)."""
     return FORMATS[p.format].dense_bits(p, b, h, t, d, n_groups)
 
 
@@ -593,41 +694,45 @@ def _fp16_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: 
 
 
 def _fp8_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None) -> int:
-    return b * h * t * (d * FP8_BITS + row_meta_bits(p))
+    return b * h * t * (d * FP8_BITS + row_meta_bits(p, d))
 
 
 def _code_dense_bits(p: TensorPolicy, b: int, h: int, t: int, d: int, n_groups: int | None) -> int:
     """Packed codes and their per-row metadata, plus the per-group scales and zero-points of a grouped policy."""
-    bits = b * h * t * (code_row_bits(p, d) + row_meta_bits(p))
+    bits = b * h * t * (code_row_bits(p, d) + row_meta_bits(p, d))
     if p.is_grouped:
         groups = -(-t // p.group_size) if n_groups is None else n_groups
         bits += b * h * groups * d * 2 * SCALE_BITS
     return bits
 
 
-def _no_row_meta(p: TensorPolicy) -> int:
+def _no_row_meta(p: TensorPolicy, d: int) -> int:
     return 0
 
 
-def _token_scale_and_zero(p: TensorPolicy) -> int:
+def _token_scale_and_zero(p: TensorPolicy, d: int) -> int:
     """uniform / nuq: an fp16 scale and zero-point per (token, head) row for axis token; per channel: none."""
     return 2 * SCALE_BITS if p.axis == "token" else 0
 
 
-def _fp8_row_meta(p: TensorPolicy) -> int:
+def _fp8_row_meta(p: TensorPolicy, d: int) -> int:
     return FP32_SCALE_BITS if p.axis == "token" else 0
 
 
-def _fp32_scale(p: TensorPolicy) -> int:      # int_sym; rht_int (its zero point rides in the scale's low bits)
+def _fp32_scale(p: TensorPolicy, d: int) -> int:      # int_sym; rht_int (its zero point rides in the scale's low bits)
     return FP32_SCALE_BITS
 
 
-def _fp16_norm(p: TensorPolicy) -> int:       # turbo_mse
+def _fp16_norm(p: TensorPolicy, d: int) -> int:       # turbo_mse
     return SCALE_BITS
 
 
-def _fp16_scale_and_min(p: TensorPolicy) -> int:   # turbo_uniform
+def _fp16_scale_and_min(p: TensorPolicy, d: int) -> int:   # turbo_uniform
     return 2 * SCALE_BITS
+
+
+def _ue8m0_per_group(p: TensorPolicy, d: int) -> int:      # ultra_fp4, ultra_fp4_rot: a byte per 32 channels
+    return UE8M0_BITS * -(-d // ULTRA_GROUP)
 
 
 def sparse_bits(p: TensorPolicy, b: int, t: int, n_outliers: int | float) -> int | float:
@@ -667,7 +772,7 @@ class Format:
     encode: Callable[[torch.Tensor, TensorPolicy, str], Encoded]    # float32 [B, H, T, D], validated -> Encoded
     decode: Callable[[Encoded, TensorPolicy], torch.Tensor]         # -> float32 [B, H, T, D]
     dense_bits: Callable[[TensorPolicy, int, int, int, int, int | None], int]   # (p, b, h, t, d, n_groups)
-    row_meta_bits: Callable[[TensorPolicy], int]    # bits beside each (token, head) row's codes or values
+    row_meta_bits: Callable[[TensorPolicy, int], int]   # (p, d): bits beside each (token, head) row's codes / values
     export_axes: tuple[str, ...] = ()     # the axes the artifact, its Triton kernel and the serving cache take;
                                           # () = evaluation-only (a serving engine's own format)
     outliers: bool = False                # sparse outliers (outlier_fraction > 0) allowed
@@ -675,6 +780,8 @@ class Format:
     group_axes: tuple[str, ...] = ()      # axes with scales per group of group_size tokens
     zero_point: str = "none"              # how the codes are offset (the manifest's zero_point)
     settings: tuple[str, ...] = ()        # TensorPolicy fields only this format reads
+    # a rotating format's reconstruction before the rotation is undone (decode_rotated); None: no rotation
+    decode_rotated: Callable[[Encoded, TensorPolicy], torch.Tensor] | None = None
 
     @property
     def exports(self) -> bool:
@@ -693,11 +800,15 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("fp8", ("tensor", "head", "token", "unscaled"), (FP8_BITS,), _encode_fp8, _decode_fp8, _fp8_dense_bits,
            _fp8_row_meta, export_axes=("tensor", "head"), settings=("fp8_dtype", "fp8_rounding")),
     Format("int_sym", ("token",), (4, 8), _encode_int_sym, _decode_int_sym, _code_dense_bits, _fp32_scale),
-    Format("rht_int", ("token",), (4,), _encode_rht_int, _decode_rht_int, _code_dense_bits, _fp32_scale),
+    Format("rht_int", ("token",), (4,), _encode_rht_int, _decode_rht_int, _code_dense_bits, _fp32_scale,
+           decode_rotated=_rotated_rht_int),
     Format("turbo_mse", ("token",), (3, 4), _encode_turbo_mse, _decode_turbo_mse, _code_dense_bits, _fp16_norm,
-           settings=("norm_correction",)),
+           settings=("norm_correction",), decode_rotated=_rotated_turbo_mse),
     Format("turbo_uniform", ("token",), (3, 4), _encode_turbo_uniform, _decode_turbo_uniform, _code_dense_bits,
            _fp16_scale_and_min),
+    Format("ultra_fp4", ("token",), (4,), _encode_ultra_fp4, _dequant_ultra, _code_dense_bits, _ue8m0_per_group),
+    Format("ultra_fp4_rot", ("token",), (4,), _encode_ultra_fp4_rot, _decode_ultra_fp4_rot, _code_dense_bits,
+           _ue8m0_per_group, decode_rotated=_dequant_ultra),
 )}
 
 

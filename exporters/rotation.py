@@ -1,13 +1,19 @@
-"""Hadamard rotations of a KV row, as two vLLM 0.32 cache formats apply them before quantizing.
+"""Hadamard rotations of a KV row, as three vLLM 0.32 cache formats apply them before quantizing.
 
-- `rht` / `rht_inverse` (vLLM int4_per_token_head, vllm/v1/attention/ops/int4_per_token_head.py:954-1167): the
+- `rht` / `rht_inverse` (vLLM int4_per_token_head, vllm/v1/attention/ops/int4_per_token_head.py:1075-1167): the
   randomized Hadamard transform y = H_b (d * x) with the UNnormalized Sylvester matrix H_b (entries +-1,
   H_b H_b^T = b I, b = the largest power of two dividing D; block-diagonal over D / b blocks when b < D, the
   same signs in every block), inverse x = d * (H_b y) / b.
 - `hadamard_orthonormal(d)` (TurboQuant, vllm/v1/attention/backends/turboquant_attn.py:105-120): H_d / sqrt(d),
   symmetric and its own inverse, no signs; d must be a power of two.
+- `fwht_orthonormal` (UltraQuant keys, vllm/v1/attention/ops/ultraquant/triton_store.py:166-177): H_d x / sqrt(d)
+  as the store kernel computes it, a butterfly that multiplies by fp32(1/sqrt(2)) after every stage.
 
-Natural (Sylvester) ordering everywhere: H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]].
+Natural (Sylvester) ordering everywhere: H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]. H_b x is computed by the fast
+Walsh-Hadamard butterfly in float32, stage widths 1, 2, 4, ... (pair (a, b) -> (a + b, a - b)): that is the order
+vLLM's own PyTorch path (`fast_hadamard_transform`, tier 3) adds in, so the float32 result is bit for bit vLLM's,
+where a matrix product would round differently in the last bit (and, after the int4 format's cast to fp16, now
+and then in a stored code).
 """
 from __future__ import annotations
 
@@ -59,24 +65,53 @@ def rht_signs(b: int) -> torch.Tensor:
     return _signs(b).clone()
 
 
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """x [..., D] -> (x viewed [..., D / b, b], H_b, signs [b], b) on x's device, float32."""
+INV_SQRT2 = 0.7071067811865476   # UltraQuant's per-stage factor (float32 0.70710677 once multiplied in)
+
+
+def fwht(x: torch.Tensor, stage_scale: float | None = None) -> torch.Tensor:
+    """x [..., b] float32 (b a power of two) -> H_b x, by the butterfly: at stage width h = 1, 2, 4, ... each pair
+    (a, c) h apart becomes (a + c, a - c), each sum and difference rounded to float32 once. stage_scale multiplies
+    both after every stage (UltraQuant's 1/sqrt(2), which makes the result orthonormal); None: unnormalized."""
+    *lead, b = x.shape
+    if b < 1 or b & (b - 1):
+        raise ValueError(f"a Walsh-Hadamard butterfly needs a power-of-two size, got {b}")
+    h = 1
+    while h < b:
+        pairs = x.reshape(*lead, b // (2 * h), 2, h)
+        a, c = pairs[..., 0, :], pairs[..., 1, :]
+        s, t = a + c, a - c
+        if stage_scale is not None:
+            s, t = s * stage_scale, t * stage_scale
+        x = torch.stack((s, t), dim=-2).reshape(*lead, b)
+        h *= 2
+    return x
+
+
+def fwht_orthonormal(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] (D a power of two) -> H_D x / sqrt(D) float32, rounded as UltraQuant's store kernel rounds it:
+    the butterfly with a multiply by float32(1/sqrt(2)) after each of its log2(D) stages (not one 1/sqrt(D) at the
+    end, nor a matrix product: both differ in the last bit)."""
+    return fwht(x.float(), INV_SQRT2)
+
+
+def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """x [..., D] -> (x viewed [..., D / b, b] float32, signs [b] on x's device, b)."""
     d = x.shape[-1]
     b = largest_power_of_two_divisor(d)
     xb = x.float().reshape(*x.shape[:-1], d // b, b)
-    return xb, _sylvester(b).to(x.device), _signs(b).to(x.device), b
+    return xb, _signs(b).to(x.device), b
 
 
 def rht(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> y = H_b (d * x) per block of b, float32 (norm sqrt(b) |x| per block)."""
-    xb, h, s, _ = _blocks(x)
-    return ((xb * s) @ h).reshape(x.shape)          # H is symmetric: (d * x) @ H = H (d * x) row-wise
+    xb, s, _ = _blocks(x)
+    return fwht(xb * s).reshape(x.shape)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """y [..., D] -> x = d * (H_b y) / b per block, float32: rht_inverse(rht(x)) == x up to float32 rounding."""
-    yb, h, s, b = _blocks(y)
-    return ((yb @ h) * s / b).reshape(y.shape)
+    yb, s, b = _blocks(y)
+    return (fwht(yb) * s / b).reshape(y.shape)
 
 
 def rotate_orthonormal(x: torch.Tensor) -> torch.Tensor:

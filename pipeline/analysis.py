@@ -79,6 +79,10 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
             lines += ["## Serving through vLLM (`python -m pipeline recommend`)", ""]
             for platform in ("cpu", "gpu"):
                 lines += ["```", format_recommendation(recommend(summary, platform)), "```", ""]
+        if summary.get("evaluation_llamacpp"):
+            from pipeline.recommend import format_llamacpp, recommend_llamacpp
+            lines += ["## Serving through llama.cpp (`python -m pipeline recommend --engine llama.cpp`)", "", "```",
+                      format_llamacpp(recommend_llamacpp(summary)), "```", ""]
     drift_out = summary.get("drift", {})
     sens = drift_out.get("sensitivity")
     if sens:

@@ -124,6 +124,10 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         summary["evaluation"] = results["evaluate"].meta
     if "evaluate-long" in results:  # beside summary["data"], which the manifest's provenance records as it is
         summary["evaluation_long"] = {**results["evaluate-long"].meta, "sha256": windows.long_sha256}
+    if cfg.llamacpp.types and "evaluate" in results:  # the engine itself, on the same evaluation windows
+        from pipeline import llamacpp
+        summary["evaluation_llamacpp"] = {**llamacpp.evaluate(cfg.llamacpp, cfg.model, windows.eval, log=log),
+                                          "sha256": windows.eval_sha256}
     run_dir.mkdir(parents=True, exist_ok=True)
     target = layer_policy.target_policy(target_of(cfg, recipes), lm.spec.n_layers, results)
     if "evaluate-mixed" in results:  # the artifact is the mixed per-layer policy
@@ -167,6 +171,11 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         ev = summary["evaluation_long"]
         log(f"long context: {ev['windows']} windows x {ev['seq_len']} tokens")
         log(evaluate.table(ev["recipes"]))
+    if "evaluation_llamacpp" in summary:
+        from pipeline.llamacpp import table as llamacpp_table
+        ev = summary["evaluation_llamacpp"]
+        log(f"llama.cpp {ev['llama_cpp_version']} ({ev['gguf']}), ratios to its own f16 cache:")
+        log(llamacpp_table(ev))
     gate_result = summary.get("drift", {}).get("gate")
     if gate_result:
         log(f"drift gate: {'passed' if gate_result['passed'] else 'FAILED'}"

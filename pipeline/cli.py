@@ -16,7 +16,8 @@ commands:
   show    DIR_OR_RUN_ID   print an artifact's or a run's summary and lineage
   export-vllm  ARTIFACT OUT [model.path=... model.source=...] [--overwrite]
           write a checkpoint folder vLLM serves as is (fp8 e4m3 per-tensor artifacts; docs/vllm.md)
-  recommend  RUN_DIR   the cheapest vLLM --kv-cache-dtype within the run's drift gate, with its `vllm serve` line
+  recommend  RUN_DIR   the cheapest vLLM --kv-cache-dtype (or, --engine llama.cpp, -ctk/-ctv pair) within the
+                       run's drift gate, with its `vllm serve` (`llama-server`) line
 """
 COMMANDS = ("run", "check", "show", "export-vllm", "recommend")
 CONSOLE_SCRIPT = "kvcalib"

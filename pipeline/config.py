@@ -27,6 +27,7 @@ from stages.traces import TracesConfig
 
 from pipeline.check_config import CheckConfig, validate_check_options  # the runtime check's options
 from pipeline.errors import UserError
+from pipeline.llamacpp_config import LlamaCppConfig, validate as validate_llamacpp
 
 
 @dataclass
@@ -142,6 +143,7 @@ class RunConfig:
     probes: ProbeConfig = field(default_factory=ProbeConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     layer_policy: LayerPolicyConfig = field(default_factory=LayerPolicyConfig)
+    llamacpp: LlamaCppConfig = field(default_factory=LlamaCppConfig)
     cache_dir: str = ".kvcalib_cache"
     command: str = "run"
     target: str = ""            # DIR or RUN_ID for `show` / `check`
@@ -250,6 +252,11 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         raise UserError(f"eval.perturb_seeds must be integers >= 0, got {list(cfg.eval.perturb_seeds)}")
     if cfg.export.enabled and cfg.check.enabled:
         validate_check_options(cfg.check.contexts, cfg.check.batches, None)
+    if cfg.llamacpp.types:
+        if not cfg.eval.enabled:
+            raise UserError(f"llamacpp.types={list(cfg.llamacpp.types)} needs eval.enabled=true (llama.cpp runs on "
+                            f"the evaluation windows); got eval.enabled=false: set llamacpp.types=[] too")
+        validate_llamacpp(cfg.llamacpp, cfg.model)
     for name, value in (("sensitivity.n_windows", cfg.sensitivity.n_windows),
                         ("layer_policy.n_windows", cfg.layer_policy.n_windows)):
         if value < 1:

@@ -1,5 +1,10 @@
-"""`python -m pipeline recommend RUN_DIR [--platform cpu|gpu]`: which vLLM `--kv-cache-dtype` to serve, from a
-run's own evaluation.
+"""`python -m pipeline recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu]`: which vLLM
+`--kv-cache-dtype`, or which llama.cpp `-ctk / -ctv` pair, to serve, from a run's own evaluation.
+
+llama.cpp (`--engine llama.cpp`): the run must have evaluated llama.cpp's own cache types on its windows
+(`llamacpp.types=[...]`, pipeline/llamacpp.py: computed by llama.cpp itself, each ratio to its own f16 cache). The
+pick is the cheapest type (bits per element of its block layout) within the drift gate's max_ppl_ratio, with the
+`llama-server` line that serves it (flash attention on: llama.cpp needs it for a quantized V cache).
 
 vLLM 0.32 offers KV caches that need no calibration (int8/int4/fp8 per token-head, the TurboQuant presets) and the
 scaled fp8 cache our checkpoint feeds. The run evaluated each as the engine computes it (the `vllm-*` recipes,
@@ -34,6 +39,56 @@ VLLM_FORMATS = {
 }
 CPU_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM 0.32 CPUAttentionBackend.supported_kv_cache_dtypes
 PLATFORMS = ("cpu", "gpu")
+ENGINES = ("vllm", "llama.cpp")
+
+
+def gate_limit(summary: dict, max_ppl_ratio: float | None) -> float:
+    """The perplexity-ratio bound: the one given, else the run's gate's, else the gate's default."""
+    if max_ppl_ratio is not None:
+        return max_ppl_ratio
+    gate = ((summary.get("drift") or {}).get("gate") or {}).get("thresholds") or {}
+    if gate.get("max_ppl_ratio") is not None:
+        return gate["max_ppl_ratio"]
+    from stages.gate import GateConfig
+    return GateConfig().max_ppl_ratio
+
+
+def recommend_llamacpp(summary: dict, max_ppl_ratio: float | None = None) -> dict:
+    """The cheapest llama.cpp cache type within the gate, from the run's `evaluation_llamacpp`."""
+    ev = summary.get("evaluation_llamacpp")
+    if not ev:
+        raise UserError("--engine llama.cpp: the run has no llama.cpp evaluation; run it with "
+                        "llamacpp.types=[q8_0,q5_0,q4_1,q4_0,iq4_nl,q8_0/q4_0] (llama.cpp computes each cache type "
+                        "on the run's evaluation windows; bash scripts/install-llamacpp.sh builds it)")
+    limit = gate_limit(summary, max_ppl_ratio)
+    rows = [{"type": name, "type_k": r["type_k"], "type_v": r["type_v"], "avg_bits": r["avg_bits"],
+             "ppl_ratio": r["ppl_ratio"], "ci95": r.get("ppl_ratio_ci95"), "top1": r.get("top1"),
+             "within_gate": r["ppl_ratio"] <= limit} for name, r in ev["types"].items()]
+    rows.sort(key=lambda r: (r["avg_bits"], r["ppl_ratio"]))
+    eligible = [r for r in rows if r["within_gate"] and r["type"] != "f16"]
+    pick = eligible[0] if eligible else None
+    gguf = ev.get("gguf_path") or f"<{ev.get('gguf') or 'MODEL.gguf'}>"
+    command = (f"llama-server -m {gguf} -fa on -ctk {pick['type_k']} -ctv {pick['type_v']}" if pick else None)
+    return {"engine": "llama.cpp", "max_ppl_ratio": limit, "rows": rows, "pick": pick, "command": command,
+            "windows": ev.get("windows"), "seq_len": ev.get("seq_len"), "version": ev.get("llama_cpp_version"),
+            "attn_rot": ev.get("attn_rot")}
+
+
+def format_llamacpp(rec: dict) -> str:
+    lines = [f"llama.cpp {rec['version']} KV cache types run by llama.cpp on this run's {rec['windows']} windows x "
+             f"{rec['seq_len']} tokens (ratio to its own f16 cache; K/V rotation "
+             f"{'on, its default' if rec['attn_rot'] else 'off'}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
+             f"{'-ctk/-ctv':<14}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18}{'top1':>7}  verdict"]
+    for r in rec["rows"]:
+        ci = f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]" if r.get("ci95") else "-"
+        verdict = "reference" if r["type"] == "f16" else ("within gate" if r["within_gate"] else "over gate")
+        lines.append(f"{r['type']:<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  {verdict}")
+    if rec["pick"] is None:
+        lines.append("no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
+    else:
+        lines.append(f"cheapest within the gate: {rec['pick']['type']} ({rec['pick']['avg_bits']:.2f} bits)")
+        lines.append(f"  {rec['command']}")
+    return "\n".join(lines)
 
 
 def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) -> dict:
@@ -45,11 +100,7 @@ def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) 
     recipes = evaluation.get("recipes") or {}
     if not recipes:
         raise UserError("the run has no evaluation (eval.enabled=false?): nothing to recommend from")
-    gate = ((summary.get("drift") or {}).get("gate") or {}).get("thresholds") or {}
-    limit = max_ppl_ratio if max_ppl_ratio is not None else gate.get("max_ppl_ratio")
-    if limit is None:
-        from stages.gate import GateConfig
-        limit = GateConfig().max_ppl_ratio
+    limit = gate_limit(summary, max_ppl_ratio)
     checkpoint = summary.get("vllm_checkpoint_dir")
     rows = []
     for name, (dtype, needs_ckpt, on_cpu) in VLLM_FORMATS.items():
@@ -102,20 +153,30 @@ def format_recommendation(rec: dict) -> str:
 
 
 def recommend_main(args: list[str]) -> str:
-    platform, limit, rest = "cpu", None, []
+    platform, limit, engine, rest = "cpu", None, "vllm", []
     it = iter(args)
     for a in it:
         if a == "--platform":
             platform = next(it, "")
         elif a.startswith("--platform="):
             platform = a.split("=", 1)[1]
+        elif a == "--engine":
+            engine = next(it, "")
+        elif a.startswith("--engine="):
+            engine = a.split("=", 1)[1]
         elif a.startswith("--max-ppl-ratio="):
             limit = float(a.split("=", 1)[1])
         else:
             rest.append(a)
     if len(rest) != 1:
-        raise UserError("usage: python -m pipeline recommend RUN_DIR [--platform cpu|gpu] [--max-ppl-ratio=R]")
+        raise UserError("usage: python -m pipeline recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu] "
+                        "[--max-ppl-ratio=R]")
+    if engine not in ENGINES:
+        raise UserError(f"--engine must be one of {ENGINES}, got {engine!r}")
     path = Path(rest[0]) / "summary.json"
     if not path.is_file():
         raise UserError(f"{rest[0]!r} has no summary.json: point at a run directory (outputs/<date>/<time>)")
-    return format_recommendation(recommend(json.loads(path.read_text()), platform, limit))
+    summary = json.loads(path.read_text())
+    if engine == "llama.cpp":
+        return format_llamacpp(recommend_llamacpp(summary, limit))
+    return format_recommendation(recommend(summary, platform, limit))

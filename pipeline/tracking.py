@@ -216,6 +216,11 @@ def summary_metrics(summary: dict) -> dict[str, float]:
     for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
         metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in recipe_columns(row).items()
                         if _number(v)})
+    for cache_type, row in (summary.get("evaluation_llamacpp") or {}).get("types", {}).items():
+        lo, hi = row.get("ppl_ratio_ci95") or (None, None)
+        metrics.update({f"llamacpp.{_metric_name(cache_type)}.{k}": float(v) for k, v in
+                        (("avg_bits", row.get("avg_bits")), ("ppl", row.get("ppl")), ("ppl_ratio", row.get("ppl_ratio")),
+                         ("ppl_ratio_lo", lo), ("ppl_ratio_hi", hi), ("top1", row.get("top1"))) if _number(v)})
     check = summary.get("runtime_check") or {}
     metrics.update({f"runtime_check.{k}": float(v) for k, v in check.items() if _number(v)})
     return metrics

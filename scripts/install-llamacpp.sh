@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-llamacpp: llama-cpp-python==0.3.36 (llama.cpp itself, built here from the source distribution,
-# CPU only) in its own environment, beside .venv, for bench/llamacpp_worker.py: llama.cpp's perplexity with each of
+# CPU only) in its own environment, beside .venv, for pipeline/llamacpp_worker.py: llama.cpp's perplexity with each of
 # its KV cache types (f16, q8_0, q4_0, ...) on our evaluation windows' token ids. Idempotent.
 #
 # The build: CMAKE_ARGS keeps it CPU only (no BLAS, no GPU backend) and tuned to this CPU (GGML_NATIVE), so the

@@ -1,8 +1,9 @@
 """A serving library's own quantized KV cache, run as that library inside the evaluation (evaluation only: kvcalib
 neither re-implements nor exports these formats).
 
-transformers' `QuantizedCache` (`cache_implementation="quantized"` in `generate`) with the `hqq` backend: a
-KIVI-like cache. Its layer objects (transformers.cache_utils.QuantizedLayer) quantize the prompt and return it
+transformers' `QuantizedCache` (`cache_implementation="quantized"` in `generate`) with the `hqq` or the `quanto`
+(optimum-quanto) backend: a KIVI-like cache. Both backends share transformers' schedule and differ only in how a
+flush quantizes. Its layer objects (transformers.cache_utils.QuantizedLayer) quantize the prompt and return it
 unquantized to the prompt's own attention; on every later step they return [dequantized history, full-precision
 residual rows, the new row]; when the residual reaches `residual_length` rows, the whole returned cache (history
 dequantized, residual and new row) is quantized again by the backend and the residual emptied.
@@ -17,9 +18,16 @@ sequential decoding because position t depends only on positions <= t;
 tests/stages/test_engine_cache.py checks the logits against model.forward with the library's QuantizedCache, one
 token at a time.
 
-Bits are those of the cache's final state at the end of the window, as stored when served in fp16: codes at
-`nbits`, one fp16 scale and one fp16 zero per quantization group (the backend's own grouping), residual rows at 16
-bits -- over every cached element of every layer.
+Bits are those of the cache's final state at the end of the window, as stored when served in fp16 (the backends
+keep their scales and zeros in the cache's dtype), over every cached element of every layer:
+- hqq: codes at `nbits`, one fp16 scale and one fp16 zero per hqq group (read from hqq's meta);
+- quanto: codes at `nbits`, one fp16 scale and one fp16 shift per quanto group (the float `_scale` and `_shift`
+  of its WeightQBitsTensor, counted by their own sizes: transformers asks MaxOptimizer for float shifts, not uint8
+  zero-points, and a tensor that is a single group gets one of each per entry). At axis 0 quanto's groups are
+  `q_group_size` consecutive entries of the [B, H, T, D] cache in memory order (q_group_size = head_dim, as the
+  defaults give on a 64-wide head: one group per token and head). quanto packs 4 (2-bit) or 2 (4-bit) codes a
+  byte down the columns of its grouped codes; the pad of the last byte row (under one byte a column) is not counted;
+- the residual rows at 16 bits.
 """
 from __future__ import annotations
 
@@ -31,14 +39,18 @@ from exporters.codec import FULL_PRECISION_BITS, SCALE_BITS
 from stages.base import InputError
 
 LIBRARIES = ("transformers",)
-BACKENDS = ("hqq",)
+BACKENDS = ("hqq", "quanto")
+# what transformers' layer classes (HQQQuantizedLayer, QuantoQuantizedLayer) accept per backend, refused here first
+# so that the message names the recipe field; quanto's codes are qint2 / qint4 only
+NBITS = {"hqq": (1, 2, 3, 4, 8), "quanto": (2, 4)}
+AXES = {"hqq": (0, 1), "quanto": (0, -1)}
 
 
 @dataclass
 class EngineCacheConfig:
     """A recipe's `engine:` block. library "" means the recipe is one of kvcalib's own formats."""
     library: str = ""               # transformers
-    backend: str = "hqq"            # hqq (transformers.QuantizedCache backend)
+    backend: str = "hqq"            # hqq | quanto (transformers.QuantizedCache backend)
     nbits: int = 4
     axis_key: int = 0               # the library's defaults; see docs/peer-formats.md for what they group
     axis_value: int = 0
@@ -50,7 +62,14 @@ class EngineCacheConfig:
             raise InputError(f"{where}.library must be one of {LIBRARIES}, got {self.library!r}")
         if self.backend not in BACKENDS:
             raise InputError(f"{where}.backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("nbits", "q_group_size", "residual_length"):
+        if self.nbits not in NBITS[self.backend]:
+            raise InputError(f"{where}.nbits must be one of {NBITS[self.backend]} for backend {self.backend!r}, "
+                             f"got {self.nbits!r}")
+        for name in ("axis_key", "axis_value"):
+            if getattr(self, name) not in AXES[self.backend]:
+                raise InputError(f"{where}.{name} must be one of {AXES[self.backend]} for backend "
+                                 f"{self.backend!r}, got {getattr(self, name)!r}")
+        for name in ("q_group_size", "residual_length"):
             if getattr(self, name) < 1:
                 raise InputError(f"{where}.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -81,19 +100,50 @@ def quantized_cache(engine: dict, model_config):
                           q_group_size=engine["q_group_size"], residual_length=engine["residual_length"])
 
 
+def _quantized_bits(quantized, engine: dict) -> tuple[int, int]:
+    """(bits, elements) of one backend-quantized tensor: codes at nbits, scales and zeros / shifts as served in fp16.
+    hqq holds (packed codes, meta) with the unpacked shape and one scale and one zero per group in meta; quanto a
+    WeightQBitsTensor whose shape is the cache's and whose `_scale` / `_shift` hold one value per group."""
+    if engine["backend"] == "quanto":
+        n_q = int(quantized.numel())
+        shift = quantized._shift
+        shift_bits = SCALE_BITS if shift.dtype.is_floating_point else shift.element_size() * 8  # a uint8 zero-point
+        return n_q * engine["nbits"] + int(quantized._scale.numel()) * SCALE_BITS + int(shift.numel()) * shift_bits, n_q
+    meta = quantized[1]
+    n_q = 1
+    for s in meta["shape"]:
+        n_q *= int(s)
+    return n_q * engine["nbits"] + int(meta["scale"].numel()) * 2 * SCALE_BITS, n_q
+
+
 def _state_bits(layer, engine: dict) -> tuple[int, int]:
     """(bits, elements) of one layer's K and V as the cache holds them now."""
     bits = elements = 0
     for quantized, residual in ((layer._quantized_keys, layer.keys), (layer._quantized_values, layer.values)):
-        codes_meta = quantized[1]
-        n_q = 1
-        for s in codes_meta["shape"]:
-            n_q *= int(s)
-        n_groups = int(codes_meta["scale"].numel())
+        q_bits, n_q = _quantized_bits(quantized, engine)
         n_r = int(residual.numel()) if residual is not None and residual.dim() == 4 else 0
-        bits += n_q * engine["nbits"] + n_groups * 2 * SCALE_BITS + n_r * FULL_PRECISION_BITS
+        bits += q_bits + n_r * FULL_PRECISION_BITS
         elements += n_q + n_r
     return bits, elements
+
+
+def check_groups(engine: dict, key: torch.Tensor) -> None:
+    """quanto splits each quantized tensor into groups of q_group_size: at axis 0 of the entries of one token across
+    heads and head_dim (H x D), at axis -1 of one channel across batch and heads (B x H), and fails at the first
+    update -- the one-token prompt -- unless q_group_size divides that count; refused here, naming the recipe field
+    (quanto's own message names none). hqq's packing rules are left to hqq's own message."""
+    if engine["backend"] != "quanto":
+        return
+    b, h, _, d = key.shape
+    for name in ("axis_key", "axis_value"):
+        if engine[name] == 0:
+            per, what = h * d, f"{h} KV heads x head_dim {d}"
+        else:
+            per, what = b * h, f"batch {b} x {h} KV heads"
+        if per % engine["q_group_size"]:
+            allowed = tuple(g for g in range(1, per + 1) if per % g == 0)
+            raise InputError(f"quant.engine.q_group_size must divide {per} ({what}: quanto's groups at "
+                             f"quant.engine.{name}={engine[name]}), one of {allowed}, got {engine['q_group_size']}")
 
 
 def _residual_rows(layer) -> int:
@@ -134,6 +184,7 @@ def engine_attention(engine: dict, model_config, ledger=None, perturb=None):
         if query.shape[2] != t or layer.is_initialized:
             raise InputError(f"engine_attention serves one whole window per cache: {query.shape[2]} queries for "
                              f"{t} keys (initialized: {layer.is_initialized})")
+        check_groups(engine, key)
         outs = []
         for start, stop in update_steps(layer, t):
             residual_before = _residual_rows(layer)

@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.peers import DEFAULT_LLAMACPP_PYTHON, llamacpp_bits, llamacpp_rows, our_rows, verdicts
+from bench.peers import llamacpp_rows, our_rows, verdicts
+from pipeline.llamacpp_config import default_python
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_llamacpp_bits_are_the_block_formats_averaged_over_k_and_v():
-    assert llamacpp_bits("q4_0") == 4.5 and llamacpp_bits("q4_1") == 5.0 and llamacpp_bits("f16") == 16.0
-    assert llamacpp_bits("q8_0/q4_0") == (8.5 + 4.5) / 2
-    with pytest.raises(SystemExit, match=r"--llamacpp-types: unknown type 'q3_k'.*allowed"):
-        llamacpp_bits("q3_k")
-    with pytest.raises(SystemExit, match="--llamacpp-types"):
-        llamacpp_bits("q8_0/q4_0/f16")
 
 
 def _worker_json(rot: bool) -> dict:
@@ -29,8 +21,8 @@ def _worker_json(rot: bool) -> dict:
     # q4_0: exactly log(1.1) more NLL per token in every window -> ratio 1.1, an interval of width 0
     q4 = [x + n * math.log(1.1) for x in f16]
     return {"llama_cpp_version": "0.3.36", "gguf": "/x/m.gguf", "attn_rot": rot, "results": {
-        "f16": {"sum_nll": f16, "n_tokens": [n] * 3, "argmax": [[1, 2, 3, 4]] * 3, "seconds": 1.0},
-        "q4_0": {"sum_nll": q4, "n_tokens": [n] * 3, "argmax": [[1, 2, 0, 0]] * 3, "seconds": 2.0}}}
+        "f16": {"type_k": "f16", "type_v": "f16", "sum_nll": f16, "n_tokens": [n] * 3, "argmax": [[1, 2, 3, 4]] * 3, "seconds": 1.0},
+        "q4_0": {"type_k": "q4_0", "type_v": "q4_0", "sum_nll": q4, "n_tokens": [n] * 3, "argmax": [[1, 2, 0, 0]] * 3, "seconds": 2.0}}}
 
 
 def test_llamacpp_rows_are_ratios_to_its_own_f16_cache():
@@ -80,8 +72,8 @@ def test_verdicts_pick_our_best_recipe_at_no_more_bits():
     assert lines["llama.cpp tiny"].endswith("no calibrated recipe at <= its bits in this run")
 
 
-@pytest.mark.skipif(not Path(DEFAULT_LLAMACPP_PYTHON).is_file(),
-                    reason=f"no llama.cpp environment at {DEFAULT_LLAMACPP_PYTHON} (bash scripts/install-llamacpp.sh)")
+@pytest.mark.skipif(not Path(default_python()).is_file(),
+                    reason=f"no llama.cpp environment at {default_python()} (bash scripts/install-llamacpp.sh)")
 def test_bench_peers_runs_llamacpp_beside_our_recipes(tmp_path):
     import pydoc_data.topics as topics
 
@@ -112,3 +104,21 @@ def test_bench_peers_runs_llamacpp_beside_our_recipes(tmp_path):
     # llama.cpp's f16 on our windows is a language model's perplexity near ours (same GGUF weights)
     assert 0.7 < rows["llama.cpp f16"]["ppl"] / rows["fp16"]["ppl"] < 1.3
     assert any(line.startswith("llama.cpp q4_0 (4.500 bits)") for line in got["verdicts"])
+
+
+def test_vllm_rows_carry_the_format_checks_verdict(tmp_path):
+    from bench.peers import vllm_verified
+
+    check = tmp_path / "check.json"
+    check.write_text(json.dumps({"results": [
+        {"format": "int4_per_token_head", "recipe": "vllm-int4-per-token-head", "verified": True},
+        {"format": "nvfp4", "recipe": None, "verified": "no reference"},
+        {"format": "codebook", "recipe": "(exporters/lloyd_max.py)", "verified": True}]}))
+    verified = vllm_verified(str(check), "/nowhere/python", tmp_path)
+    assert verified == {"vllm-int4-per-token-head": True}
+    rows = our_rows({"vllm-int4-per-token-head": _row(4.5, 1.04, 1.05),
+                     "vllm-turboquant-k8v4": _row(6.5, 1.0, 1.01)}, verified)
+    assert rows["vllm-int4-per-token-head"]["verified"] is True
+    assert rows["vllm-turboquant-k8v4"]["verified"] == "not checked"
+    assert vllm_verified("run", "/nowhere/python", tmp_path) == {}  # no vLLM environment: nothing checked
+    assert vllm_verified("", "/nowhere/python", tmp_path) == {}

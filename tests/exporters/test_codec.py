@@ -270,7 +270,7 @@ def test_a_format_is_one_registered_row():
     def dec(e, p):
         return e.codes.float() * 2 - 1
 
-    toy = Format("sign", ("token",), (1,), enc, dec, codec._code_dense_bits, lambda p: 7)
+    toy = Format("sign", ("token",), (1,), enc, dec, codec._code_dense_bits, lambda p, d: 7)
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(FORMATS, "sign", toy)
         p = TensorPolicy(format="sign", bits=1, axis="token")
@@ -296,7 +296,7 @@ def test_the_registry_rows():
     assert all(set(f.export_axes) <= set(f.axes) for f in FORMATS.values())
     assert {name: f.bits for name, f in FORMATS.items()} == {
         "fp16": (16,), "uniform": (2, 3, 4, 8), "nuq": (2, 3, 4, 8), "fp8": (8,), "int_sym": (4, 8), "rht_int": (4,),
-        "turbo_mse": (3, 4), "turbo_uniform": (3, 4)}
+        "turbo_mse": (3, 4), "turbo_uniform": (3, 4), "ultra_fp4": (4,), "ultra_fp4_rot": (4,)}
     assert codec.formats_where(lambda f: f.outliers) == codec.formats_where(lambda f: f.rotation) == ("uniform", "nuq")
     assert {name: f.zero_point for name, f in FORMATS.items() if f.zero_point != "none"} == {"uniform": "min",
                                                                                          "nuq": "midpoint"}

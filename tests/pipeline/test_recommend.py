@@ -86,3 +86,46 @@ def test_a_format_over_the_gate_on_the_short_windows_is_not_picked_for_its_long_
     rec = recommend({**SUMMARY, "evaluation": short, "evaluation_long": long}, "gpu")
     int4 = next(r for r in rec["rows"] if r["recipe"] == "vllm-int4-per-token-head")
     assert not int4["within_gate"] and int4["ppl_ratio"] == 1.02 and rec["pick"]["recipe"] == "fp8-e4m3"
+
+
+def lrow(k, v, bits, ratio, top1=0.95):
+    return {"type_k": k, "type_v": v, "avg_bits": bits, "ppl": 20.0 * ratio, "ppl_ratio": ratio,
+            "ppl_ratio_ci95": [ratio - 0.005, ratio + 0.005], "top1": top1, "seconds": 1.0}
+
+
+LLAMACPP = {**SUMMARY, "evaluation_llamacpp": {
+    "engine": "llama.cpp", "llama_cpp_version": "0.3.36", "gguf": "m.gguf", "gguf_path": None, "attn_rot": True,
+    "windows": 16, "seq_len": 1024, "types": {
+        "f16": lrow("f16", "f16", 16.0, 1.0, 1.0), "q8_0": lrow("q8_0", "q8_0", 8.5, 1.001),
+        "q8_0/q4_0": lrow("q8_0", "q4_0", 6.5, 1.02), "q4_1": lrow("q4_1", "q4_1", 5.0, 1.034),
+        "q4_0": lrow("q4_0", "q4_0", 4.5, 1.052)}}}
+
+
+def test_llamacpp_picks_the_cheapest_type_within_the_gate_with_its_server_line():
+    from pipeline.recommend import format_llamacpp, recommend_llamacpp
+
+    rec = recommend_llamacpp(LLAMACPP)  # the run's gate: 1.05 -> q4_0 (1.052) is over, q4_1 (1.034) within
+    assert rec["pick"]["type"] == "q4_1"
+    assert rec["command"] == "llama-server -m <m.gguf> -fa on -ctk q4_1 -ctv q4_1"
+    assert recommend_llamacpp(LLAMACPP, max_ppl_ratio=1.025)["command"].endswith("-ctk q8_0 -ctv q4_0")
+    assert recommend_llamacpp(LLAMACPP, max_ppl_ratio=1.0001)["pick"] is None  # f16 is never "picked"
+    text = format_llamacpp(rec)
+    assert "q4_0            4.500     1.0520  [1.0470, 1.0570]   0.9500  over gate" in text
+    assert "f16            16.000     1.0000" in text and "reference" in text
+    assert "keep llama.cpp's default f16 cache" in format_llamacpp(recommend_llamacpp(LLAMACPP, 1.0001))
+
+
+def test_llamacpp_without_its_evaluation_is_refused_naming_the_override(tmp_path):
+    from pipeline.recommend import recommend_llamacpp
+
+    with pytest.raises(UserError, match=r"--engine llama.cpp: the run has no llama.cpp evaluation; run it with "
+                                        r"llamacpp.types=\["):
+        recommend_llamacpp(SUMMARY)
+    (tmp_path / "summary.json").write_text(json.dumps(LLAMACPP))
+    run = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path), "--engine", "llama.cpp"],
+                         capture_output=True, text=True, cwd=str(ROOT))
+    assert run.returncode == 0, run.stderr
+    assert "llama-server -m <m.gguf> -fa on -ctk q4_1 -ctv q4_1" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path), "--engine", "sglang"],
+                         capture_output=True, text=True, cwd=str(ROOT))
+    assert run.returncode == EXIT_USER and "--engine must be one of ('vllm', 'llama.cpp'), got 'sglang'" in run.stderr

@@ -588,3 +588,14 @@ def test_mlflow_ui_shows_the_run_in_headless_chromium(synthetic, server, client,
             break
     assert "synthetic-provenance-run" in dom, dom[-2000:]  # the run name, in the page header
     assert "kvcache-export-tiny" in dom, dom[-2000:]  # the exported artifact folder, in the artifact tree
+
+
+def test_llamacpp_rows_become_metrics_with_their_interval():
+    from pipeline.tracking import summary_metrics
+
+    row = {"type_k": "q8_0", "type_v": "q4_0", "avg_bits": 6.5, "ppl": 20.4, "ppl_ratio": 1.02,
+           "ppl_ratio_ci95": [1.01, 1.03], "top1": 0.9, "seconds": 3.0}
+    got = summary_metrics({"evaluation_llamacpp": {"types": {"q8_0/q4_0": row}}})
+    assert got == {"llamacpp.q8_0/q4_0.avg_bits": 6.5, "llamacpp.q8_0/q4_0.ppl": 20.4,
+                   "llamacpp.q8_0/q4_0.ppl_ratio": 1.02, "llamacpp.q8_0/q4_0.ppl_ratio_lo": 1.01,
+                   "llamacpp.q8_0/q4_0.ppl_ratio_hi": 1.03, "llamacpp.q8_0/q4_0.top1": 0.9}

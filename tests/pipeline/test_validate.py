@@ -35,6 +35,9 @@ CASES = [
     (lambda c: (setattr(c.eval, "enabled", False), setattr(c.gate, "enabled", True)),
      r"gate\.enabled=true needs eval\.enabled=true"),
     (lambda c: setattr(c.eval, "recipes", ["fp16", "no-such-recipe"]), r"quant recipe must be one of .*'no-such-recipe'"),
+    (lambda c: setattr(c.llamacpp, "types", ["q4_0", "q3_k"]), r"llamacpp\.types: unknown cache type 'q3_k'"),
+    (lambda c: (setattr(c.llamacpp, "types", ["q4_0"]), setattr(c.llamacpp, "python", "/nowhere/python")),
+     r"llamacpp\.python: no llama.cpp environment at /nowhere/python"),
 ]
 
 

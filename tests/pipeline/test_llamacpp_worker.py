@@ -1,4 +1,4 @@
-"""bench/llamacpp_worker.py against real llama.cpp (llama-cpp-python's CPU build in .venv-llamacpp,
+"""pipeline/llamacpp_worker.py against real llama.cpp (llama-cpp-python's CPU build in .venv-llamacpp,
 scripts/install-llamacpp.sh), on the embedded SmolLM2 GGUF and two 128-id windows of the evaluation text: f16's
 perplexity is a language model's, q8_0 is within a few percent of it without being the same computation, q4_0 runs,
 and an unknown cache type is refused with exit 2. Skipped, with the reason, where the llama.cpp environment does not
@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / os.environ.get("KVCALIB_LLAMACPP_VENV", ".venv-llamacpp")  # an absolute override replaces ROOT
 LLAMACPP_PYTHON = VENV / "bin" / "python"
-WORKER = ROOT / "bench" / "llamacpp_worker.py"
+WORKER = ROOT / "pipeline" / "llamacpp_worker.py"
 N_WINDOWS, SEQ_LEN = 2, 128
 pytestmark = pytest.mark.skipif(not LLAMACPP_PYTHON.is_file(), reason=f"no llama.cpp environment at "
                                 f"{LLAMACPP_PYTHON} (bash scripts/install-llamacpp.sh)")

@@ -2,7 +2,7 @@
 (scripts/install-llamacpp.sh). Imports only llama_cpp (llama-cpp-python's bindings, their low-level C API), numpy
 and the standard library, so the kvcalib environment and llama.cpp's build never meet.
 
-    .venv-llamacpp/bin/python bench/llamacpp_worker.py --gguf MODEL.gguf --tokens TOKENS.npy \
+    .venv-llamacpp/bin/python pipeline/llamacpp_worker.py --gguf MODEL.gguf --tokens TOKENS.npy \
         --types f16,q8_0,q4_0,q8_0/q4_0 --threads 2 --json OUT.json
 
 TOKENS.npy: an integer array [n_windows, seq_len] (np.save; read with allow_pickle=False), the windows' ids exactly
