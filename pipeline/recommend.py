@@ -74,20 +74,28 @@ def recommend_llamacpp(summary: dict, max_ppl_ratio: float | None = None) -> dic
             "attn_rot": ev.get("attn_rot")}
 
 
+def _ci(row: dict) -> str:
+    return f"[{row['ci95'][0]:.4f}, {row['ci95'][1]:.4f}]" if row.get("ci95") else "-"
+
+
+def _pick_lines(rec: dict, name: str, none: str) -> list[str]:
+    """The closing lines of a recommendation: the pick and its command, or what to do without one."""
+    if rec["pick"] is None:
+        return [none]
+    pick = rec["pick"]
+    return [f"cheapest within the gate: {pick[name]} ({pick['avg_bits']:.2f} bits)", f"  {rec['command']}"]
+
+
 def format_llamacpp(rec: dict) -> str:
     lines = [f"llama.cpp {rec['version']} KV cache types run by llama.cpp on this run's {rec['windows']} windows x "
              f"{rec['seq_len']} tokens (ratio to its own f16 cache; K/V rotation "
              f"{'on, its default' if rec['attn_rot'] else 'off'}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
              f"{'-ctk/-ctv':<14}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18}{'top1':>7}  verdict"]
     for r in rec["rows"]:
-        ci = f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]" if r.get("ci95") else "-"
+        ci = _ci(r)
         verdict = "reference" if r["type"] == "f16" else ("within gate" if r["within_gate"] else "over gate")
         lines.append(f"{r['type']:<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  {verdict}")
-    if rec["pick"] is None:
-        lines.append("no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
-    else:
-        lines.append(f"cheapest within the gate: {rec['pick']['type']} ({rec['pick']['avg_bits']:.2f} bits)")
-        lines.append(f"  {rec['command']}")
+    lines += _pick_lines(rec, "type", "no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
     return "\n".join(lines)
 
 
@@ -132,7 +140,7 @@ def format_recommendation(rec: dict) -> str:
              f"tokens (platform {rec['platform']}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
              f"{'recipe':<26}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
     for r in rec["rows"]:
-        ci = f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}]" if r.get("ci95") else "-"
+        ci = _ci(r)
         verdict = ("within gate" if r["within_gate"] else "over gate")
         if not r["platform_ok"] and r["recipe"] == "fp8-e4m3":
             verdict += " (round-to-nearest, as GPU kernels cast; vLLM-cpu serves this checkpoint as vllm-cpu-fp8)"
@@ -144,11 +152,7 @@ def format_recommendation(rec: dict) -> str:
             verdict += " (needs the run's vLLM checkpoint: an fp8-e4m3 run)"
         lines.append(f"{r['recipe']:<26}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  "
                      f"{ci:<18} {verdict}")
-    if rec["pick"] is None:
-        lines.append("no vLLM format is within the gate on this platform: serve kv_cache_dtype=auto")
-    else:
-        lines.append(f"cheapest within the gate: {rec['pick']['recipe']} ({rec['pick']['avg_bits']:.2f} bits)")
-        lines.append(f"  {rec['command']}")
+    lines += _pick_lines(rec, "recipe", "no vLLM format is within the gate on this platform: serve kv_cache_dtype=auto")
     return "\n".join(lines)
 
 
