@@ -4,12 +4,16 @@ python -m bench.serve_memory --artifact DIR --json PATH          (the embedded m
 python -m bench.serve_memory --model tiny --recipe int4-token --contexts 64,128 --batches 1,2 --steps 4 \
     --quality-contexts 64 --passkey-lengths 128 --json /tmp/x.json    (a smoke run: tiny model, no artifact)
 
-Three caches on the same windows of wikitext-2 test.txt, all through the model's forward:
-- fp16:        transformers' DynamicCache in the model's dtype (float32 on CPU by default: its bytes are then twice
-               an fp16 cache's; `cache_mb_at_fp16` counts them at 2 bytes per element, and the peak ratios use
-               the measured process, so say which dtype ran -- `dtype` in the JSON);
-- artifact:    runtime_check.cache.ArtifactCache(attention="blockwise"): the stored form read block by block
-               (runtime_check/blockwise.py), prefill chunks attending to their own rows in full precision;
+Three caches on the same windows of wikitext-2 test.txt, all through the model's forward, for each model dtype of
+--dtypes (default float32 and bfloat16: two references, each the model with its own DynamicCache; every ratio is
+within one dtype):
+- fp16:        transformers' DynamicCache in the model's dtype (float32: its bytes are twice an fp16 cache's;
+               `cache_mb_at_fp16` counts them at 2 bytes per element; bfloat16: 2 bytes, as an fp16 cache) -- `dtype`
+               in the JSON;
+- artifact:    runtime_check.cache.ArtifactCache(attention="blockwise"): single-token steps through the fused CPU
+               kernel (runtime_check/cpu_attention.py; `kernel` in the row says which ran, or why the block-wise torch
+               path did), new rows encoded by its encoder, prefill chunks attending to their own rows in full
+               precision and to the history block by block (runtime_check/blockwise.py);
 - materialize: the same cache with attention="materialize" (every row decoded at every step: the old path).
 
 A batch-B row prefills one window at batch 1 and repeats its stored rows to the batch (Cache.batch_repeat_interleave:
@@ -32,7 +36,9 @@ unused outlier slots; stored rows are never copied when rows are appended), and 
 the block-wise attention its largest block working set as it counts it, for materialize one layer's decoded K
 and V (float32), for fp16 none.
 prefill_s is the prefill wall time; decode_ms_per_token the median step; both also as ratios to the fp16 row
-of the same context and batch, measured in the same invocation.
+of the same dtype, context and batch, measured in the same invocation. step_read_mb: what one decode step reads of
+the cache (step_bytes: DynamicCache's attention reads K and V and its update's torch.cat reads them again to copy
+them; the artifact's attention reads the stored bytes and the RoPE table rows once, its update copies nothing).
 
 Quality (in the parent process, batch 1, --quality-prompts windows per context of --quality-contexts): the
 continuation's perplexity (teacher-forced next-token NLL of --continuation tokens after the context) and the
@@ -216,9 +222,10 @@ def held(kind: str, cache, model) -> dict:
 
 # ---- one row (a fresh process) ---------------------------------------------------------------------------------
 
-def measure_row(args, context: int, batch: int, kind: str) -> dict:
+def measure_row(args, context: int, batch: int, kind: str, dtype: str) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
+    args.dtype = dtype
     lm, policy = load(args)
     model = lm.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -246,7 +253,8 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
                     model(ids[:, context + i:context + i + 1], cache=cache, use_cache=True)
                     steps.append(time.perf_counter() - t0)
     acc = held(kind, cache, model)
-    return {"context": context, "batch": batch, "cache": kind,
+    read = step_bytes(kind, cache, acc)
+    return {"context": context, "batch": batch, "cache": kind, **read,
             "peak_mb_above_weights": (decode_peak.peak - base) / MB,
             "prefill_peak_mb_above_weights": (prefill_peak.peak - base) / MB,
             "prefill_s": prefill_s, "decode_ms_per_token": 1000 * statistics.median(steps),
@@ -254,12 +262,45 @@ def measure_row(args, context: int, batch: int, kind: str) -> dict:
             "reserved_capacity_mb": acc["reserved_capacity_bytes"] / MB,
             "largest_temporary_mb": acc["largest_temporary_bytes"] / MB,
             "accounting_bytes": acc, "baseline_rss_mb": base / MB, "weights_mb": weights / MB,
-            "beyond_positions": bool(beyond), "dtype": str(next(model.parameters()).dtype),
-            "prefill_batch": 1 if shared else batch}
+            "beyond_positions": bool(beyond), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "prefill_batch": 1 if shared else batch, "kernel": kernel_route(kind)}
 
 
-def run_row(args, context: int, batch: int, kind: str) -> dict:
-    cmd = [sys.executable, "-m", "bench.serve_memory", "--row", f"{context},{batch},{kind}", *args.passthrough]
+def step_bytes(kind: str, cache, acc: dict) -> dict:
+    """What one decode step reads of the cache, in MB. fp16 (transformers' DynamicCache): its update concatenates
+    the new row to every layer's K and V (torch.cat reads the whole cache and writes it anew) and the attention
+    reads K and V once -- attention_read_mb = the cache, update_copy_mb = the cache read again by the copy. artifact:
+    the attention reads what is stored once (codes, scales / zero-points, outliers, sink and residual rows, the
+    static tensors) plus, for pre-RoPE keys, one row of the cos / sin table per encoded position (D / 2 x 2
+    float32); the update encodes the new row and copies nothing (update_copy_mb 0). materialize: every row decoded
+    into float32 K and V (written, then read by the attention) on top of the stored bytes."""
+    if kind == "fp16":
+        return {"attention_read_mb": acc["total"] / MB, "update_copy_mb": acc["total"] / MB,
+                "step_read_mb": 2 * acc["total"] / MB}
+    rope = 0
+    for layer in cache.layers:
+        if layer.policy.key_rope == "pre" and layer.k_block is not None:
+            b, _, n, d = layer.k_block.shape
+            rope += n * d * 4            # D / 2 cos and D / 2 sin per position, float32 (shared by the batch)
+    stored = acc["total"] + rope
+    # materialize: every layer's rows decoded into K and V in the model's dtype (written, then read by its attention)
+    extra = 0 if kind == "artifact" else 2 * len(cache.layers) * acc["largest_temporary_bytes"]
+    return {"attention_read_mb": (stored + extra) / MB, "update_copy_mb": 0.0, "step_read_mb": (stored + extra) / MB}
+
+
+def kernel_route(kind: str) -> str:
+    """Which attention served the decode steps: the fused CPU kernel or the block-wise torch path (the reason)."""
+    if kind != "artifact":
+        return "transformers sdpa" if kind == "fp16" else "transformers sdpa over decoded rows"
+    from runtime_check import cpu_attention
+
+    st = cpu_attention.status()
+    return "fused CPU kernel" if st["available"] else f"block-wise torch ({st['reason']})"
+
+
+def run_row(args, context: int, batch: int, kind: str, dtype: str) -> dict:
+    cmd = [sys.executable, "-m", "bench.serve_memory", "--row", f"{context},{batch},{kind},{dtype}",
+           *args.passthrough]
     done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if done.returncode:
         raise SystemExit(f"row {context},{batch},{kind} failed:\n{done.stderr[-4000:]}")
@@ -336,7 +377,10 @@ def parse(argv=None):
     ap.add_argument("--artifact", default=None, help="artifact folder (the embedded model's, unless --model tiny)")
     ap.add_argument("--recipe", default=None, help="without --artifact: a calibration-free recipe (int4-token, kivi-2)")
     ap.add_argument("--model", default="embedded", choices=["embedded", "tiny"])
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", help="the model's dtype for quality and passkey")
+    ap.add_argument("--dtypes", default="float32,bfloat16",
+                    help="the model dtypes timed: each row runs the model and its DynamicCache in that dtype, and the "
+                         "artifact cache beside the same model (ratios within a dtype)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--contexts", type=_ints, default=[1024, 4096, 16384, 32768])
     ap.add_argument("--batches", type=_ints, default=[1, 4])
@@ -358,7 +402,7 @@ def parse(argv=None):
     if not (args.artifact or args.recipe):
         ap.error("give --artifact DIR (or --recipe NAME for a calibration-free recipe)")
     raw = list(sys.argv[1:] if argv is None else argv)
-    keep = ("--artifact", "--recipe", "--model", "--dtype", "--steps", "--chunk", "--block", "--page", "--sample-ms",
+    keep = ("--artifact", "--recipe", "--model", "--steps", "--chunk", "--block", "--page", "--sample-ms",
             "--threads", "--full-batch-prefill")
     flags = ("--full-batch-prefill",)  # no value follows these
     args.passthrough = [x for i, x in enumerate(raw)
@@ -369,32 +413,48 @@ def parse(argv=None):
 def main(argv=None) -> None:
     args = parse(argv)
     if args.row:
-        context, batch, kind = args.row.split(",")
-        print(json.dumps(measure_row(args, int(context), int(batch), kind)))
+        context, batch, kind, dtype = args.row.split(",")
+        print(json.dumps(measure_row(args, int(context), int(batch), kind, dtype)))
         return
     start = time.perf_counter()
     caches = [c for c in args.caches.split(",") if c]
     unknown = set(caches) - set(CACHES)
     if unknown:
         raise SystemExit(f"--caches: unknown {sorted(unknown)}; choose from {CACHES}")
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = set(dtypes) - {"float32", "bfloat16", "float16"}
+    if bad:
+        raise SystemExit(f"--dtypes: unknown {sorted(bad)}; choose from float32, bfloat16, float16")
+    from runtime_check import cpu_attention
+
+    print(f"decode attention of the artifact cache: {kernel_route('artifact')}"
+          + (f" ({cpu_attention.status()['path']})" if cpu_attention.available() else ""), flush=True)
     rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            by = {}
-            for kind in caches:
-                by[kind] = run_row(args, context, batch, kind)
-                r = by[kind]
-                print(f"{context:>6} x{batch} {kind:<11} peak {r['peak_mb_above_weights']:9.1f} MB above the weights "
-                      f"(cache {r['cache_mb']:.1f} MB + {r['reserved_capacity_mb']:.2f} MB reserved, largest temporary "
-                      f"{r['largest_temporary_mb']:.2f} MB), prefill "
-                      f"{r['prefill_s']:.2f} s, decode {r['decode_ms_per_token']:.1f} ms/token", flush=True)
-            if "fp16" in by:
-                ref = by["fp16"]
-                for r in by.values():
-                    r["peak_ratio_to_fp16"] = r["peak_mb_above_weights"] / max(ref["peak_mb_above_weights"], 1e-9)
-                    r["prefill_ratio_to_fp16"] = r["prefill_s"] / ref["prefill_s"]
-                    r["decode_ratio_to_fp16"] = r["decode_ms_per_token"] / ref["decode_ms_per_token"]
-            rows.extend(by.values())
+    for dtype in dtypes:
+        for context in args.contexts:
+            for batch in args.batches:
+                by = {}
+                for kind in caches:
+                    by[kind] = run_row(args, context, batch, kind, dtype)
+                    r = by[kind]
+                    print(f"{dtype:<8} {context:>6} x{batch} {kind:<11} peak {r['peak_mb_above_weights']:9.1f} MB above "
+                          f"the weights (cache {r['cache_mb']:.1f} MB + {r['reserved_capacity_mb']:.2f} MB reserved, "
+                          f"largest temporary {r['largest_temporary_mb']:.2f} MB), prefill {r['prefill_s']:.2f} s, "
+                          f"decode {r['decode_ms_per_token']:.1f} ms/token, reads {r['step_read_mb']:.1f} MB/step",
+                          flush=True)
+                if "fp16" in by:
+                    ref = by["fp16"]
+                    for r in by.values():
+                        r["peak_ratio_to_fp16"] = r["peak_mb_above_weights"] / max(ref["peak_mb_above_weights"], 1e-9)
+                        r["prefill_ratio_to_fp16"] = r["prefill_s"] / ref["prefill_s"]
+                        r["decode_ratio_to_fp16"] = r["decode_ms_per_token"] / ref["decode_ms_per_token"]
+                        r["read_ratio_to_fp16"] = r["step_read_mb"] / ref["step_read_mb"]
+                    for kind, r in by.items():
+                        if kind != "fp16":
+                            print(f"{dtype:<8} {context:>6} x{batch} {kind:<11} / {dtype} DynamicCache: decode "
+                                  f"{r['decode_ratio_to_fp16']:.3f}, prefill {r['prefill_ratio_to_fp16']:.3f}, peak "
+                                  f"{r['peak_ratio_to_fp16']:.3f}, bytes read {r['read_ratio_to_fp16']:.3f}", flush=True)
+                rows.extend(by.values())
     lm, policy = load(args)
     q = quality(args, lm, policy) if args.quality_contexts else {}
     for context, r in q.items():
@@ -409,7 +469,7 @@ def main(argv=None) -> None:
         "agreement_per_step_4k": q["4096"]["agreement_per_step"] if "4096" in q else None,
         "passkey": keys, "quality": q,
         "setup": {"model": args.model, "artifact": args.artifact, "recipe": args.recipe or policy.name,
-                  "dtype": args.dtype, "steps": args.steps, "chunk": args.chunk, "block": args.block,
+                  "dtype": args.dtype, "dtypes": dtypes, "kernel": kernel_route("artifact"), "steps": args.steps, "chunk": args.chunk, "block": args.block,
                   "page": args.page,
                   "sample_ms": args.sample_ms, "threads": args.threads or torch.get_num_threads(),
                   "passkey_prompts": 5 * len(args.passkey_lengths),

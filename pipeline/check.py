@@ -1,4 +1,5 @@
-"""The runtime equivalence check of an exported artifact: the Triton kernel reading its cache computes the oracle's
+"""The runtime equivalence check of an exported artifact: the Triton kernel reading its cache -- and on a machine
+without a GPU also the fused CPU kernel that serves there (runtime_check/cpu_attention.py) -- computes the oracle's
 attention. `python -m pipeline check DIR` (main) and, after export, `python -m pipeline run` (run_check).
 
 For each context length T and batch size B of CheckConfig: B consecutive windows of evaluation text (the
@@ -94,7 +95,6 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     into the manifest unless write=False). model_bundle: a pipeline.model.LoadedModel (loaded when None).
     kernel: the attention under test (DecodeInputs -> [B, H_q, D]); tests pass a faulty one."""
     native = ensure_backend()
-    import torch
     import triton
 
     from exporters.artifact import read_manifest
@@ -102,7 +102,15 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     from exporters.native import load_artifact, update_manifest
     from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
-    kernel = kernel or triton_kernel(native)
+    # the kernels under test: a given one (tests pass a faulty one), else the Triton kernel -- natively on a GPU,
+    # interpreted on a CPU -- and, on a machine without a GPU, the fused CPU kernel that serves there
+    # (runtime_check/cpu_attention.py) when it is built
+    kernels = {"given": kernel} if kernel is not None else {"triton": triton_kernel(native)}
+    if kernel is None and not native:
+        from runtime_check import cpu_attention
+
+        if cpu_attention.available():
+            kernels["cpu"] = cpu_attention.decode_attention
     cfg = cfg or CheckConfig()
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
@@ -125,14 +133,21 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     cases, timing, error = [], {"kernel_s": 0.0, "oracle_s": 0.0}, None
     for t in contexts:
         for b in batches:
+            by_kernel = {}
             try:
-                case = check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, kernel, timing)
+                for name, fn in kernels.items():
+                    by_kernel[name] = check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, fn,
+                                                 timing)
             except KernelFailed as exc:
-                error = f"context {t}, batch {b}: {exc}"
+                error = f"context {t}, batch {b}, {name} kernel: {exc}"
                 break
-            cases.append({"context": t, "batch": b, **case})
-            log(f"  context {t:>6} batch {b}: max_abs_err {case['max_abs_err']:.3e} max_rel_err "
-                f"{case['max_rel_err']:.3e} (layer {case['worst_layer']}) {'ok' if case['ok'] else 'FAILED'}")
+            worst = max(by_kernel.values(), key=lambda c: (not c["ok"], c["max_rel_err"]))
+            case = {k: worst[k] for k in ("max_abs_err", "max_rel_err", "worst_layer")}
+            case["ok"] = all(c["ok"] for c in by_kernel.values())
+            cases.append({"context": t, "batch": b, **case, "kernels": by_kernel})
+            for name, c in by_kernel.items():
+                log(f"  context {t:>6} batch {b} {name:>6}: max_abs_err {c['max_abs_err']:.3e} max_rel_err "
+                    f"{c['max_rel_err']:.3e} (layer {c['worst_layer']}) {'ok' if c['ok'] else 'FAILED'}")
         if error:
             break
     passed = error is None and bool(cases) and all(c["ok"] for c in cases)
@@ -141,7 +156,7 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         "max_abs_err": max((c["max_abs_err"] for c in cases), default=None),
         "max_rel_err": max((c["max_rel_err"] for c in cases), default=None),
         "tolerance": tol, "reason": reason, "device": device_name(), "triton": triton.__version__,
-        "interpreter": not native, "contexts": contexts, "batches": batches, "cases": cases,
+        "interpreter": not native, "kernels": list(kernels), "contexts": contexts, "batches": batches, "cases": cases,
         **{k: round(v, 3) for k, v in timing.items()},
         "data": "embedded:pydoc_data.topics (evaluation half)",
     }

@@ -392,7 +392,7 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
                     stats: dict | None = None, kernel: bool | None = None) -> torch.Tensor:
     """One attention layer's output over the cache layer, after its `update` stored the T_q new rows (key,
     value: those rows as the model computed them, what a block-wise layer's update returns). -> [B, H_q, T_q, D]
-    float32. T_q == 1: every stored row, the new one included (through the Triton kernel where use_kernel says).
+    float32. T_q == 1: every stored row, the new one included (through the Triton kernel on CUDA or the fused CPU kernel, where use_kernel says).
     T_q > 1: the rows before the chunk as stored, then the chunk's own rows in full precision (prefill="full")
     or as stored (prefill="stored"), causally. A sliding-window layer (layer.window) reads through its window's
     mask (transformers' sliding mask, from layer.mask_offset; built here when none is given) and, once the step
@@ -411,10 +411,15 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
         mask = window_mask(history, t_q, offset, layer.window, query.device)
     common = dict(mask=mask, block=block, stats=stats, mask_offset=offset)
     if t_q == 1:
-        if use_kernel(kernel, query.device, layer.start >= offset, inp):
+        route = use_kernel(kernel, query.device, layer.start >= offset, inp)
+        if route == "triton":
             from runtime_check import triton_attention
 
             out = triton_attention.decode_attention(inp, device=query.device)[:, :, None]
+        elif route == "cpu":
+            from runtime_check import cpu_attention
+
+            out = cpu_attention.decode_attention(inp, stats=stats)[:, :, None]
         else:
             out = attend(inp, query, scaling, limit=total, q_start=history, **common)
     elif prefill == "stored":
@@ -428,16 +433,24 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
     return out
 
 
-def use_kernel(kernel: bool | None, device: torch.device, reads_every_row: bool, inp: DecodeInputs) -> bool:
-    """Whether a single-token step goes through the Triton kernel: when asked (kernel=True) or, by default, on
-    CUDA; only when every row held is one the token reads (the kernel reads every row it is given) and the kernel
-    reads these inputs exactly (triton_attention.refusal: head_dim a power of two, pre-RoPE keys within its exact
-    RoPE range). Otherwise the torch path, the same arithmetic."""
-    if not (kernel if kernel is not None else device.type == "cuda") or not reads_every_row:
-        return False
-    from runtime_check import triton_attention  # imports triton: only where the kernel may run
+def use_kernel(kernel: bool | None, device: torch.device, reads_every_row: bool, inp: DecodeInputs) -> str | None:
+    """Which kernel serves a single-token step: "triton" when asked (kernel=True) or, by default, on CUDA; "cpu"
+    (runtime_check/cpu_attention.py, the fused C kernel) by default on the CPU where it is built; None: this
+    module's torch path, the same arithmetic. A kernel only when every row held is one the token reads (the
+    kernels read every row they are given) and the kernel reads these inputs exactly (triton_attention.refusal:
+    head_dim a power of two, pre-RoPE keys within its exact RoPE range; cpu_attention.refusal). kernel=False:
+    always the torch path."""
+    if kernel is False or not reads_every_row:
+        return None
+    if kernel or device.type == "cuda":
+        from runtime_check import triton_attention  # imports triton: only where the kernel may run
 
-    return triton_attention.refusal(inp) is None
+        return "triton" if triton_attention.refusal(inp) is None else None
+    if device.type == "cpu":
+        from runtime_check import cpu_attention
+
+        return "cpu" if cpu_attention.refusal(inp) is None else None
+    return None
 
 
 def window_mask(history: int, t_q: int, offset: int, window: int, device) -> torch.Tensor:

@@ -32,7 +32,8 @@ Two ways to serve it (`ArtifactCache(..., attention=...)`):
   which reads the stored form one block of positions at a time, so no full-precision copy of the history is
   ever made. It must be installed: `runtime_check.blockwise.serving(model, cache)` (a context manager) or
   `runtime_check.blockwise.generate(...)` (whose default it is); a block-wise cache updated without it refuses
-  (InputError). This module imports nothing of runtime_check: the readers import it.
+  (InputError). Of runtime_check this module imports only cpu_attention (the C library's encoder of new rows, the
+  codec's bytes: where it is built and takes the policy; the codec otherwise): the readers import the cache.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from exporters.codec import CachePolicy, check_exportable, decode, encode, stati
 from exporters.layout import PAGE, PagedBlock, PagedRows, take_batch, load, store
 from exporters.rope import apply_rope, invert_rope, rotary_tables
 from exporters.served_rows import layer_rows
+from runtime_check import cpu_attention
 from stages.base import InputError
 
 ATTENTION_MODES = ("blockwise", "materialize")
@@ -106,6 +108,9 @@ class ArtifactLayer(CacheLayerMixin):
         # [1, H, P, D] fp16, copied (never a view of what was given); every sequence starts after them
         self.prefix = None if not n_prefix else tuple(x.detach().to(torch.float16)[None].clone() for x in prefix)
         self.dtype = torch.float32
+        # new rows through the CPU kernel's encoder (runtime_check/cpu_attention.py) where it is built and takes
+        # the policy; False: always the codec (a test compares the two)
+        self.fast_encode = True
         self.reset()
 
     @property
@@ -215,20 +220,31 @@ class ArtifactLayer(CacheLayerMixin):
         room at a time (every format encodes rows, or whole per-channel groups, independently: the bytes are
         those of encoding all n at once)."""
         lam = self._lambda()
+        pre = self.policy.key_rope == "pre"
         n, a = k.shape[2], 0
         while a < n:
             room = self.k_rows.room()
             assert room == self.v_rows.room(), "K and V pages must cover the same rows"
             b = a + min(n - a, room)
-            kp = k[:, :, a:b].float()
-            if self.policy.key_rope == "pre":
-                cos, sin = self.rope_fn(start + a, b - a, kp.device)
-                kp = invert_rope(kp, cos, sin)
-            if lam is not None:
-                kp = kp / lam
-            self.k_rows.write(store(encode(kp, self.pk, f"layer {self.layer} keys"), self.pk, start + a))
-            self.v_rows.write(store(encode(v[:, :, a:b].float(), self.pv, f"layer {self.layer} values"), self.pv,
-                                    start + a))
+            # the CPU kernel's encoder where it takes the policy (the same bytes: tests/runtime_check/
+            # test_cpu_attention.py), else the codec
+            kb = vb = None
+            if self.fast_encode:
+                kb = cpu_attention.encode_rows(k[:, :, a:b], self.pk, start + a, self.rotary if pre else None,
+                                               None if lam is None else lam[0, :, 0])
+                vb = cpu_attention.encode_rows(v[:, :, a:b], self.pv, start + a)
+            if kb is None:
+                kp = k[:, :, a:b].float()
+                if pre:
+                    cos, sin = self.rope_fn(start + a, b - a, kp.device)
+                    kp = invert_rope(kp, cos, sin)
+                if lam is not None:
+                    kp = kp / lam
+                kb = store(encode(kp, self.pk, f"layer {self.layer} keys"), self.pk, start + a)
+            if vb is None:
+                vb = store(encode(v[:, :, a:b].float(), self.pv, f"layer {self.layer} values"), self.pv, start + a)
+            self.k_rows.write(kb)
+            self.v_rows.write(vb)
             a = b
 
     def _flush(self) -> None:

@@ -14,7 +14,7 @@ run of rows of one page for all query heads of their GQA group, and a second ker
 The cache's pages (exporters.layout.PagedBlock) are read where they lie, all in one launch: an int64 page table
 gives each page's tensors (element addresses, relative to the first page's, whose tensors are the pointer
 arguments) and strides, and a table of work items (page, first row, end row) is the launch's second grid axis.
-A page is laid out once (`_laid_out`: its outlier row offsets, its table row) and kept while the page lives, so a
+A page is laid out once (runtime_check/pages.py `laid_out`: its outlier row offsets, its table row) and kept while the page lives, so a
 decode step costs one small host-to-device copy of the tables and two launches, with no device-to-host read.
 Offsets into the stored rows are 64-bit (strides from the int64 table), so a page of B*H*T*D >= 2^31 elements is
 read correctly; key positions past the exact range of the RoPE range reduction are refused (`refusal`).
@@ -38,14 +38,12 @@ if not torch.cuda.is_available():  # must precede `import triton`: @triton.jit r
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from exporters.codec import FP8, TensorPolicy  # noqa: E402
-from exporters.layout import StoredBlock, pages_of  # noqa: E402
+from exporters.codec import TensorPolicy  # noqa: E402
+from exporters.layout import pages_of  # noqa: E402
 from runtime_check.inputs import DecodeInputs, inputs_to  # noqa: E402
+from runtime_check import pages  # noqa: E402
+from runtime_check.pages import FMT_NUQ, N_PAGE, N_SIDE, SC_HEAD, SC_STATIC, fp8_lut, side_flags  # noqa: E402
 
-FMT_FP16, FMT_FP8, FMT_UNIFORM, FMT_NUQ = 0, 1, 2, 3
-# where a row's scale / zero live: none (fp16), per token [B,H,T,1], per channel group [B,H,G,D],
-# static per channel [H,D] (nuq keys), one per head or tensor (fp8)
-SC_NONE, SC_TOKEN, SC_GROUP, SC_STATIC, SC_HEAD = 0, 1, 2, 3, 4
 LOG2E = 1.4426950408889634
 
 # Cody-Waite reduction of RoPE angles to [-pi, pi] before cos/sin (angles reach ~1e5 rad at 128k positions, where
@@ -59,11 +57,8 @@ _C3 = 2 * math.pi - _C1 - _C2
 TWO_PI_C1, TWO_PI_C2, TWO_PI_C3 = tl.constexpr(_C1), tl.constexpr(_C2), tl.constexpr(_C3)
 INV_TWO_PI = tl.constexpr(1 / (2 * math.pi))
 
-# The page table, int64, one row per page: its first position and rows, then for K and for V the side's fields:
-# data address and its 4 strides; scale and zero addresses and their 4 strides (per-token / per-group scales);
-# addresses of the outlier counts, their exclusive prefix sum, the indices and the values. Addresses are in
-# elements of the tensor (data_ptr // element size); unused fields are 0.
-N_SIDE, N_PAGE = 15, 2 + 2 * 15
+# The page table (one int64 row per page: its position, rows, and K's and V's fields) is runtime_check/pages.py's,
+# shared with the CPU kernel (runtime_check/cpu_attention.py).
 SIDE_FIELDS, PAGE_FIELDS = tl.constexpr(N_SIDE), tl.constexpr(N_PAGE)
 
 
@@ -306,19 +301,7 @@ def _combine_kernel(PO, PM, PL, OUT, n_split, S_BLOCK: tl.constexpr, D: tl.const
 
 # ---- host side ----------------------------------------------------------------------------------------------
 
-_FORMATS = {"fp16": FMT_FP16, "fp8": FMT_FP8, "uniform": FMT_UNIFORM, "nuq": FMT_NUQ}
-_LUTS: dict[tuple[str, str], torch.Tensor] = {}
 _DUMMIES: dict[str, torch.Tensor] = {}
-
-
-def fp8_lut(fp8_dtype: str, device) -> torch.Tensor:
-    """[256] float32: the value of every fp8 byte (the kernel's fp8 decode is lut[byte] * scale). Built once per
-    dtype and device: building it is a host-to-device copy."""
-    key = (fp8_dtype, str(device))
-    if key not in _LUTS:
-        dtype = FP8[fp8_dtype][0]
-        _LUTS[key] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(device)
-    return _LUTS[key]
 
 
 def _dummy(device: torch.device) -> torch.Tensor:
@@ -332,11 +315,6 @@ def _on_device(device: torch.device):
     """The guard a launch runs under: Triton launches on the current CUDA device, which need not be the one its
     tensors are on (a model split over GPUs, a layer on cuda:1)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _strides4(t: torch.Tensor) -> list[int]:
-    assert t.dim() == 4, t.shape
-    return list(t.stride())
 
 
 # ---- what the kernel reads exactly
@@ -380,91 +358,7 @@ def refusal(inp: DecodeInputs) -> str | None:
     return None
 
 
-# ---- pages, laid out once
-
-@dataclass
-class _PageSide:
-    """One page's K or V as the kernel reads it: its fields of the page table (N_SIDE) and the tensors they
-    address (data, scale, zero, outlier counts, their exclusive prefix sum, indices, values; None: absent). The
-    first page's tensors are the launch's pointer arguments, the others are reached by address."""
-    fields: list[int]
-    tensors: tuple
-    outliers: bool
-
-
-def _addr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr() // t.element_size()
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1)
-    return t if t.stride() == (1,) else t.contiguous()
-
-
-def _side_args(block: StoredBlock, p: TensorPolicy, smode: int) -> _PageSide:
-    """Lay out one page of one side (K or V): its stored tensors, their strides and the exclusive prefix sum of its
-    outlier counts (computed on the device: no host read). Called once per page (see _laid_out)."""
-    s = block.tensors
-    fmt = _FORMATS[p.format]
-    if fmt in (FMT_UNIFORM, FMT_NUQ):
-        data = s["codes"]
-    elif fmt == FMT_FP8:
-        data = s["dense"].view(torch.uint8)  # the same bytes, read through the fp8 table
-    else:
-        data = s["dense"]
-    scale = zero = None
-    sc_strides = [0, 0, 0, 0]
-    if smode in (SC_TOKEN, SC_GROUP):
-        scale, zero = s["scale"], s["zero"]
-        if scale.stride() != zero.stride():
-            raise ValueError(f"scale and zero must share a layout, got strides {scale.stride()} and {zero.stride()}")
-        sc_strides = _strides4(scale)
-    counts = offsets = index = value = None
-    if "outlier_count" in s:
-        counts = _flat(s["outlier_count"])                    # [T * B], row t * B + b
-        offsets = torch.cumsum(counts, 0) - counts            # int64: each row's first entry in the lists
-        index, value = _flat(s["outlier_index"]), _flat(s["outlier_value"])
-    tensors = (data, scale, zero, counts, offsets, index, value)
-    fields = [_addr(data), *_strides4(data), _addr(scale), _addr(zero), *sc_strides,
-              *(_addr(t) for t in tensors[3:])]
-    return _PageSide(fields, tensors, counts is not None)
-
-
-_LAID_OUT: dict[tuple, tuple[weakref.ref, _PageSide]] = {}
-
-
-def _laid_out(block: StoredBlock, p: TensorPolicy, smode: int) -> _PageSide:
-    """A page's layout, made once: a page the cache holds is immutable (exporters.layout.PagedRows never changes a
-    full page, and the page still being written is a new view at every step), so its layout is kept while the
-    page object lives and found again by identity. A StoredBlock whose tensors change in place must be a new
-    object."""
-    key = (id(block), p.format, smode)
-    held = _LAID_OUT.get(key)
-    if held is not None and held[0]() is block:
-        return held[1]
-    side = _side_args(block, p, smode)
-    _LAID_OUT[key] = (weakref.ref(block, lambda _, key=key: _LAID_OUT.pop(key, None)), side)
-    return side
-
-
-def _side_flags(p: TensorPolicy) -> dict:
-    """The constexpr flags of one side: format, bits, where its scales live, the group of per-channel scales."""
-    fmt = _FORMATS[p.format]
-    smode, group = SC_NONE, 1
-    if fmt == FMT_FP8:
-        smode = SC_HEAD
-    elif fmt in (FMT_UNIFORM, FMT_NUQ):
-        if p.axis == "token":
-            smode = SC_TOKEN
-        elif p.format == "uniform":
-            smode, group = SC_GROUP, p.group_size
-        else:
-            smode = SC_STATIC
-    return {"FMT": fmt, "BITS": max(1, p.bits if fmt in (FMT_UNIFORM, FMT_NUQ) else 8), "SMODE": smode,
-            "GROUP": group}
-
-
-def _side_pointers(first: _PageSide | None, p: TensorPolicy, flags: dict, n_kv: int, device) -> list:
+def _side_pointers(first: pages.PageSide | None, p: TensorPolicy, flags: dict, n_kv: int, device) -> list:
     """The pointer arguments of one side: the first page's tensors (the base the page table's addresses are relative
     to), the policy's static scales (fp8 per head, nuq per channel) and value table."""
     dummy = _dummy(device)
@@ -501,7 +395,7 @@ def _rows_args(pair: tuple[torch.Tensor, torch.Tensor] | None, device) -> list:
         dummy = _dummy(device)
         return [dummy, 0, 0, 0, 0, dummy, 0, 0, 0, 0, 0]
     k, v = pair
-    return [k, *_strides4(k), v, *_strides4(v), k.shape[2]]
+    return [k, *pages.strides4(k), v, *pages.strides4(v), k.shape[2]]
 
 
 def _n_splits(n_tiles: int, programs: int, device) -> int:
@@ -535,7 +429,7 @@ def _is_on(inp: DecodeInputs, device: torch.device) -> bool:
 @dataclass
 class DecodeLaunch:
     """Everything one decode step launches with: the page and item tables, the pointer and scalar arguments and the
-    output buffers. What is costly to derive is made once per page and kept across steps (_laid_out), so building
+    output buffers. What is costly to derive is made once per page and kept across steps (pages.laid_out), so building
     a launch per step is host bookkeeping and one small copy; `run` only launches the two kernels. `keep` holds
     what the tables address by number (the pages' tensors, the uploaded tables) for as long as the launch lives."""
     grid: tuple[int, int]
@@ -551,7 +445,7 @@ def prepare(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None, d
     """Validate the inputs and lay out the kernel arguments on `device` (default: the query's GPU, or the GPU when
     there is one). Inputs on another device are copied there as stored (packed codes, fp16 rows), never decoded on
     the host. Encoded rows in pages (exporters.layout.PagedBlock, what the serving cache holds) are read where they
-    lie, all pages in one launch: each page is laid out once for as long as it lives (_laid_out), and a step
+    lie, all pages in one launch: each page is laid out once for as long as it lives (pages.laid_out), and a step
     uploads only the page table (each page's row) and the work items. n_splits: about how many runs of rows the
     encoded rows are cut into in all (default: enough programs to fill the GPU twice; 2 in the interpreter)."""
     device = _resolve(device, inp)
@@ -575,13 +469,13 @@ def prepare(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None, d
     if len(k_pages) != len(v_pages):
         raise ValueError(f"keys are stored in {len(k_pages)} pages, values in {len(v_pages)}: K and V pages must "
                          f"cover the same rows")
-    kf, vf = _side_flags(inp.key_policy), _side_flags(inp.value_policy)
+    kf, vf = side_flags(inp.key_policy), side_flags(inp.value_policy)
     table, rows, sides = [], [], []
     for kb, vb in zip(k_pages, v_pages):
         if kb.shape[2] != vb.shape[2]:  # positions are the keys' (RoPE): a value page's start is not read
             raise ValueError(f"K and V pages must hold the same rows: a key page at {kb.start} holds {kb.shape[2]} "
                              f"rows, its value page at {vb.start} {vb.shape[2]}")
-        ks, vs = _laid_out(kb, inp.key_policy, kf["SMODE"]), _laid_out(vb, inp.value_policy, vf["SMODE"])
+        ks, vs = pages.laid_out(kb, inp.key_policy, kf["SMODE"]), pages.laid_out(vb, inp.value_policy, vf["SMODE"])
         table += [kb.start, kb.shape[2], *ks.fields, *vs.fields]
         rows.append(kb.shape[2])
         sides.append((ks, vs))

@@ -12,8 +12,14 @@ def test_the_smoke_run_writes_every_row_and_the_batch_holds_its_copies(tmp_path)
                        "--caches", "fp16,artifact", "--steps", "2", "--chunk", "32", "--quality-contexts", "32",
                        "--quality-prompts", "1", "--continuation", "8", "--passkey-lengths", "", "--json", str(out)])
     res = json.loads(out.read_text())
-    rows = {(r["context"], r["batch"], r["cache"]): r for r in res["rows"]}
-    assert set(rows) == {(48, b, c) for b in (1, 2) for c in ("fp16", "artifact")}
+    both = {(r["dtype"], r["context"], r["batch"], r["cache"]): r for r in res["rows"]}
+    assert set(both) == {(t, 48, b, c) for t in ("float32", "bfloat16") for b in (1, 2) for c in ("fp16", "artifact")}
+    for t in ("float32", "bfloat16"):   # each dtype's artifact row against its own DynamicCache: fewer bytes read
+        art, ref = both[t, 48, 1, "artifact"], both[t, 48, 1, "fp16"]
+        assert 0 < art["step_read_mb"] < ref["step_read_mb"] and art["read_ratio_to_fp16"] < 1
+        assert ref["update_copy_mb"] == ref["attention_read_mb"] > 0 and art["update_copy_mb"] == 0
+    assert both["float32", 48, 1, "artifact"]["kernel"] == serve_memory.kernel_route("artifact")
+    rows = {k[1:]: r for k, r in both.items() if k[0] == "float32"}
     for r in rows.values():
         for key in ("peak_mb_above_weights", "prefill_s", "decode_ms_per_token"):
             assert r[key] > 0, (key, r)

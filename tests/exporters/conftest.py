@@ -5,7 +5,8 @@ import pytest
 def records():
     """Informative fields as the pipeline writes them: evaluation (stages/evaluate.py), runtime_check
     (pipeline/check.py), gate (stages/gate.py via pipeline/app.py). -> {field: value}"""
-    case = {"context": 16, "batch": 1, "max_abs_err": 1.5e-6, "max_rel_err": 3e-6, "worst_layer": 1, "ok": True}
+    each = {"max_abs_err": 1.5e-6, "max_rel_err": 3e-6, "worst_layer": 1, "ok": True}
+    case = {"context": 16, "batch": 1, **each, "kernels": {"triton": each, "cpu": dict(each, max_rel_err=2e-6)}}
     return {
         "evaluation": {"fp16": {"ppl": 20.0, "kl": 0.0, "top1": 1.0, "avg_bits": 16.0, "outlier_fraction_k": 0.0,
                                 "outlier_fraction_v": 0.0, "ppl_ratio": 1.0, "ppl_ratio_ci95": [1.0, 1.0]},
@@ -15,7 +16,8 @@ def records():
         "runtime_check": {"status": "passed", "max_abs_err": 1.5e-6, "max_rel_err": 3e-6,
                           "tolerance": {"atol": 1e-5, "rtol": 2e-4, "criterion": "max|kernel - oracle| <= ..."},
                           "reason": "float32 rounding", "device": "cpu (TRITON_INTERPRET=1)", "triton": "3.4.0",
-                          "interpreter": True, "contexts": [16], "batches": [1], "cases": [case], "kernel_s": 0.5,
+                          "interpreter": True, "kernels": ["triton", "cpu"], "contexts": [16], "batches": [1],
+                          "cases": [case], "kernel_s": 0.5,
                           "oracle_s": 0.2, "data": "embedded:pydoc_data.topics (evaluation half)"},
         "gate": {"passed": False, "failures": ["perplexity ratio 1.0750 > max_ppl_ratio 1.05"],
                  "thresholds": {"max_ppl_ratio": 1.05, "max_cell_kl": 0.5, "min_cell_cos": 0.9,

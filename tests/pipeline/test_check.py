@@ -133,7 +133,7 @@ def _raising(real):
 
 @pytest.mark.parametrize("faulty, cause", [
     (_disagreeing, r"max_rel_err (?P<rel>\S+) beyond rtol (?P<rtol>\S+) \(max_abs_err (?P<abs>\S+)\)"),
-    (_raising, r"context 16, batch 1: layer 0: ValueError: no such format")])
+    (_raising, r"context 16, batch 1, triton kernel: layer 0: ValueError: no such format")])
 def test_a_failed_check_fails_the_run(tmp_path, monkeypatch, faulty, cause):
     """run_pipeline runs the check after export; a kernel that disagrees with the oracle or raises is written to the
     manifest and the summary, then raised as a RuntimeCheckError naming the cause the manifest records."""
@@ -217,7 +217,8 @@ def test_a_non_finite_output_is_a_failed_check_written_as_json(tiny, make_artifa
     assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
     recorded = _strict_json((path / "manifest.json").read_text())["runtime_check"]
     n = tiny.spec.n_q_heads * tiny.spec.head_dim
-    assert recorded["error"] == (f"context 16, batch 1: layer 0: the {where}'s output holds 1 non-finite values "
+    assert recorded["error"] == (f"context 16, batch 1, triton kernel: layer 0: the {where}'s output holds 1 "
+                                 f"non-finite values "
                                  f"(NaN or inf) of {n}")
     assert recorded["status"] == "failed" and recorded["cases"] == [] and recorded["max_rel_err"] is None
     load_artifact(path, tiny.spec)

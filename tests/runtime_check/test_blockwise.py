@@ -279,7 +279,7 @@ def test_decode_never_builds_a_decoded_copy_of_the_history(tiny, calib, monkeypa
 
     monkeypatch.setattr(ArtifactLayer, "materialize", refuse)
     cache = ArtifactCache(pol, tiny.model, attention="blockwise", block=16)
-    with blockwise.serving(tiny.model, cache):
+    with blockwise.serving(tiny.model, cache, kernel=False):  # the torch path (the CPU kernel: test_cpu_attention)
         largest = step(cache)
     assert 0 < largest <= bound < full // 10
     acc = cache.accounting()
@@ -464,17 +464,23 @@ def _fp16_inputs(d: int, start: int, n: int = 4):
 
 
 def test_the_single_token_route():
-    """use_kernel: the Triton kernel when asked (kernel=True) or by default on CUDA, for a token that reads every
-    row held, and only for inputs the kernel reads exactly -- a head_dim not a power of two, or keys rotated past
-    the exact RoPE range (411768 at inv_freq 1), take the torch path."""
+    """use_kernel: the Triton kernel when asked (kernel=True) or by default on CUDA, the fused CPU kernel by default
+    on the CPU (where it is built), for a token that reads every row held, and only for inputs the kernel reads
+    exactly -- a head_dim not a power of two, or keys rotated past the exact RoPE range (411768 at inv_freq 1),
+    take the torch path on CUDA; kernel=False is always the torch path."""
+    from runtime_check import cpu_attention
+
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ok, odd, far = _fp16_inputs(16, 100), _fp16_inputs(24, 100), _fp16_inputs(16, 411_766)
-    assert blockwise.use_kernel(None, cuda, True, ok) and blockwise.use_kernel(True, cpu, True, ok)
-    assert not blockwise.use_kernel(None, cpu, True, ok) and not blockwise.use_kernel(False, cuda, True, ok)
-    assert not blockwise.use_kernel(None, cuda, False, ok)       # a sliding layer holding rows it does not read
-    assert not blockwise.use_kernel(None, cuda, True, odd) and not blockwise.use_kernel(True, cpu, True, odd)
-    assert not blockwise.use_kernel(None, cuda, True, far)
-    assert blockwise.use_kernel(None, cuda, True, replace(far, key_rope="post"))
+    assert blockwise.use_kernel(None, cuda, True, ok) == "triton" == blockwise.use_kernel(True, cpu, True, ok)
+    on_cpu = "cpu" if cpu_attention.available() else None
+    assert blockwise.use_kernel(None, cpu, True, ok) == on_cpu == blockwise.use_kernel(None, cpu, True, odd)
+    assert blockwise.use_kernel(False, cuda, True, ok) is None and blockwise.use_kernel(False, cpu, True, ok) is None
+    assert blockwise.use_kernel(None, cuda, False, ok) is None   # a sliding layer holding rows it does not read
+    assert blockwise.use_kernel(None, cpu, False, ok) is None
+    assert blockwise.use_kernel(None, cuda, True, odd) is None and blockwise.use_kernel(True, cpu, True, odd) is None
+    assert blockwise.use_kernel(None, cuda, True, far) is None
+    assert blockwise.use_kernel(None, cuda, True, replace(far, key_rope="post")) == "triton"
 
 
 def test_a_head_dim_the_kernel_cannot_tile_falls_back():

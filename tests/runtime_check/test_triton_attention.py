@@ -235,6 +235,7 @@ def test_paged_decode_prepares_each_page_once_in_one_launch(monkeypatch):
 
     from exporters.codec import encode as enc
     from exporters.layout import PagedRows
+    from runtime_check import pages as pages_mod
     from runtime_check import triton_attention as ta
 
     g = torch.Generator().manual_seed(0)
@@ -252,7 +253,7 @@ def test_paged_decode_prepares_each_page_once_in_one_launch(monkeypatch):
             a += n
 
     laid_out, launches = Counter(), []
-    real_side, real_kernel = ta._side_args, ta._decode_partial_kernel
+    real_side, real_kernel = pages_mod.side_args, ta._decode_partial_kernel
 
     def side_args(block, *a, **kw):
         laid_out[block.start, block.shape[2]] += 1
@@ -263,7 +264,7 @@ def test_paged_decode_prepares_each_page_once_in_one_launch(monkeypatch):
             launches.append(grid)
             return real_kernel[grid]
 
-    monkeypatch.setattr(ta, "_side_args", side_args)
+    monkeypatch.setattr(pages_mod, "side_args", side_args)
     monkeypatch.setattr(ta, "_decode_partial_kernel", Launches())
     sink = tuple(torch.randn(b, H_KV, n_sink, d, generator=g).half() for _ in range(2))
     write(0, 18)                                        # pages at 2 and 10 full, the one at 18 open

@@ -1,0 +1,441 @@
+"""The fused CPU decode kernel (runtime_check/csrc/decode_attention.c): build, load, and call it on DecodeInputs.
+
+The kernel reads one layer's cache where it lies -- the page table of runtime_check/pages.py, the one the Triton
+kernel reads, and the fp16 sink and residual rows -- and computes the new token's attention in one call: per tile
+of rows it decodes the stored bytes (codes through the codebook or code * scale + zero, fp8 bytes through their
+table, sparse outliers put back), multiplies keys by lambda, rotates pre-RoPE keys at their positions, and folds
+the scores of the GQA group into an online softmax and the value sum (docs/serving.md). Work items run on the
+process's OpenMP threads (torch's runtime: the library links libgomp.so.1, which torch has already loaded).
+
+Built once per machine by `python -m runtime_check.cpu_attention build` (scripts/install.sh runs it): the system's
+C compiler (`$CC`, else cc) with -O3 -march=native -fopenmp, into `$KVCALIB_KERNEL_DIR`, else
+`<sys.prefix>/kvcalib-kernels` (the virtual environment), else `~/.cache/kvcalib/kernels`; the library's name
+carries a hash of the source, the flags, the compiler's version and this CPU's model and feature flags, so a
+changed source or another CPU builds anew (a -march=native library must not run on a CPU without its
+instructions). The first use builds it if it is missing. When it cannot be built or loaded the block-wise torch
+path (runtime_check/blockwise.py) serves every step instead, and the reason is said once (stderr) at first use;
+`status()` reports it.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+
+from exporters.layout import pages_of
+from runtime_check import pages
+from runtime_check.inputs import DecodeInputs
+from runtime_check.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC, fp8_lut, side_flags
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11")
+ABI = 1
+CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
+
+
+class _Side(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int32), ("bits", ctypes.c_int32), ("smode", ctypes.c_int32),
+                ("group", ctypes.c_int32), ("outliers", ctypes.c_int32), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p), ("lut", ctypes.c_void_p)]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_int64 * 4),
+                ("vs", ctypes.c_int64 * 4), ("n", ctypes.c_int64)]
+
+
+class _Enc(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("x_half", ctypes.c_int32), ("xs", ctypes.c_int64 * 4),
+                ("B", ctypes.c_int64), ("H", ctypes.c_int64), ("n", ctypes.c_int64), ("D", ctypes.c_int64),
+                ("start", ctypes.c_int64), ("rope", ctypes.c_void_p), ("lam", ctypes.c_void_p),
+                ("fmt", ctypes.c_int32), ("bits", ctypes.c_int32), ("token_axis", ctypes.c_int32),
+                ("group", ctypes.c_int32), ("mids", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("range", ctypes.c_void_p), ("outliers", ctypes.c_int32), ("q_lo", ctypes.c_float),
+                ("q_hi", ctypes.c_float), ("lower", ctypes.c_void_p),
+                ("upper", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero_out", ctypes.c_void_p), ("out_count", ctypes.c_void_p), ("out_index", ctypes.c_void_p),
+                ("out_value", ctypes.c_void_p), ("out_cap", ctypes.c_int64), ("n_threads", ctypes.c_int32)]
+
+
+class _Call(ctypes.Structure):
+    _fields_ = [("pages", ctypes.c_void_p), ("n_pages", ctypes.c_int64), ("q", ctypes.c_void_p),
+                ("B", ctypes.c_int64), ("H_kv", ctypes.c_int64), ("G", ctypes.c_int64), ("D", ctypes.c_int64),
+                ("scaling", ctypes.c_float), ("lam", ctypes.c_void_p), ("rope", ctypes.c_void_p),
+                ("rope_n", ctypes.c_int64), ("sink", _Rows), ("recent", _Rows), ("ks", _Side), ("vs", _Side),
+                ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16)]
+
+
+# ---- build and load ------------------------------------------------------------------------------------------
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def _cpu_identity() -> str:
+    """This CPU's model and feature flags (Linux /proc/cpuinfo; elsewhere the platform's processor string)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler_version(cc: str) -> str:
+    out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise OSError(f"{cc} --version failed: {out.stderr.strip()[:200]}")
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def kernel_dir() -> Path:
+    """Where built libraries live (see the module docstring)."""
+    if os.environ.get("KVCALIB_KERNEL_DIR"):
+        return Path(os.environ["KVCALIB_KERNEL_DIR"])
+    venv = Path(sys.prefix) / "kvcalib-kernels"
+    if os.access(sys.prefix, os.W_OK) or venv.is_dir():
+        return venv
+    return Path.home() / ".cache" / "kvcalib" / "kernels"
+
+
+def library_path() -> Path:
+    """The library this source, these flags, this compiler and this CPU build to."""
+    cc = shutil.which(_compiler())
+    if cc is None:
+        raise OSError(f"no C compiler: {_compiler()!r} is not on PATH (set CC)")
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _compiler_version(cc), _cpu_identity(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
+    return kernel_dir() / f"decode_attention-{key}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel (atomically: a temporary file renamed into place) unless it is built. -> its path.
+    Raises OSError naming the compiler's complaint when it cannot."""
+    path = library_path()
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if out.returncode != 0:
+            raise OSError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-600:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+_LIB: dict = {}
+
+
+def _load() -> ctypes.CDLL | None:
+    """The loaded kernel, built first if missing; None (the reason said once on stderr, kept for status()) when it
+    cannot be built or loaded."""
+    if "lib" in _LIB:
+        return _LIB["lib"]
+    lib, reason = None, None
+    if os.environ.get("KVCALIB_CPU_KERNEL", "1") == "0":
+        reason = "disabled by KVCALIB_CPU_KERNEL=0"
+    else:
+        try:
+            lib = ctypes.CDLL(str(build()))
+            if lib.kvcalib_abi() != ABI:
+                raise OSError(f"the library's ABI is {lib.kvcalib_abi()}, this module's {ABI}")
+            lib.kvcalib_decode.argtypes = [ctypes.POINTER(_Call), ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+            lib.kvcalib_decode.restype = ctypes.c_int
+            lib.kvcalib_encode.argtypes = [ctypes.POINTER(_Enc)]
+            lib.kvcalib_encode.restype = ctypes.c_int64
+        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+            lib, reason = None, f"{type(exc).__name__}: {exc}"
+    if lib is None:
+        print(f"kvcalib: the fused CPU decode kernel is not available ({reason}); single-token steps on the CPU "
+              f"use the block-wise torch attention (runtime_check/blockwise.py)", file=sys.stderr)
+    _LIB.update(lib=lib, reason=reason)
+    return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def status() -> dict:
+    """{"available": bool, "path": str | None, "reason": str | None} (builds / loads on first call)."""
+    lib = _load()
+    return {"available": lib is not None, "path": None if lib is None else lib._name, "reason": _LIB["reason"]}
+
+
+# ---- what the kernel reads exactly ---------------------------------------------------------------------------
+
+_HALVES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _rope_table(rotary: torch.nn.Module, end: int) -> torch.Tensor | None:
+    """[N >= end, 2, D / 2] float32: cos then sin of the first D / 2 frequencies at positions 0..N-1 (slices of the
+    block-wise reader's shared table, runtime_check.blockwise.rope_at: the model's rotary module's own values), or
+    None when the tables do not repeat their halves (the kernel rotates half by half). Kept per rotary module,
+    grown as positions come."""
+    from runtime_check.blockwise import _repeated_halves, rope_at
+
+    cos, sin = rope_at(rotary, 0, end, torch.device("cpu"))
+    key = (cos.data_ptr(), cos.shape[0])
+    held = _HALVES.get(rotary)
+    if held is not None and held[0] == key:
+        return held[1]
+    if not _repeated_halves(cos[: min(end, 64)], sin[: min(end, 64)]) or not _repeated_halves(cos[-1:], sin[-1:]):
+        return None
+    h = cos.shape[1] // 2
+    table = torch.stack([cos[:, :h], sin[:, :h]], 1).contiguous()   # [end, 2, D / 2]
+    if "dynamic" not in str(getattr(rotary, "rope_type", "")):
+        _HALVES[rotary] = (key, table)
+    return table
+
+
+def refusal(inp: DecodeInputs) -> str | None:
+    """Why the kernel cannot read these inputs, or None: it must be built, everything on the CPU, head_dim even
+    and at most its MAX_D, the GQA group at most its MAX_G, stored rows with unit stride along the row, and
+    pre-RoPE keys from a rotary module whose tables repeat their halves. The block-wise torch path reads the
+    rest."""
+    lib = _load()
+    if lib is None:
+        return f"the CPU kernel is not available: {_LIB['reason']}"
+    d = inp.head_dim
+    if inp.q.device.type != "cpu":
+        return f"the CPU kernel reads CPU tensors, the query is on {inp.q.device}"
+    if d % 2 or d > lib.kvcalib_max_d():
+        return f"head_dim must be even and at most {lib.kvcalib_max_d()} for the CPU kernel, got {d}"
+    g = inp.q.shape[1] // inp.n_kv_heads
+    if g > lib.kvcalib_max_g():
+        return f"a GQA group of at most {lib.kvcalib_max_g()} query heads per kv head, got {g}"
+    return None
+
+
+def temporary_bytes(b: int, h_kv: int, g: int, d: int, page_rows: list[int], sink: bool, recent: bool,
+                    chunk: int, threads: int) -> int:
+    """The kernel's working set in a call (what it allocates beyond its inputs): the work items and their partials
+    (max, sum, accumulator per query head: kvcalib_decode's malloc) and each thread's tiles on its stack (the
+    scaled queries, TILE decoded keys and values, their scores, codes and levels of a row), with the library's own
+    TILE / MAX_D / MAX_G: what the kernel allocates for these shapes, computed as it does."""
+    lib = _LIB["lib"]
+    per = max(1, int(sink) + int(recent) + sum(-(-n // chunk) for n in page_rows))
+    items = b * h_kv * per
+    tile, max_d, max_g = lib.kvcalib_tile(), lib.kvcalib_max_d(), lib.kvcalib_max_g()
+    per_thread = 4 * (max_g * max_d + 2 * tile * max_d + 2 * max_g * tile) + 5 * max_d
+    return items * (5 * 8) + items * g * (d + 2) * 4 + threads * per_thread
+
+
+# ---- the call --------------------------------------------------------------------------------------------------
+
+def _rows(pair: tuple[torch.Tensor, torch.Tensor] | None) -> _Rows:
+    if pair is None:
+        return _Rows()
+    k, v = pair
+    if k.dtype != torch.float16 or v.dtype != torch.float16:
+        raise ValueError(f"sink / residual rows must be float16, got {k.dtype} and {v.dtype}")
+    return _Rows(k.data_ptr(), v.data_ptr(), (ctypes.c_int64 * 4)(*k.stride()), (ctypes.c_int64 * 4)(*v.stride()),
+                 k.shape[2])
+
+
+def _side(p, flags: dict, n_kv: int, keep: list) -> _Side:
+    scale = zero = lut = None
+    if flags["SMODE"] == SC_HEAD:
+        scale = p.fp8_scale.float().reshape(-1)
+        scale = scale.expand(n_kv).contiguous() if scale.numel() == 1 else scale.contiguous()
+        lut = fp8_lut(p.fp8_dtype, torch.device("cpu"))
+    elif flags["SMODE"] == SC_STATIC:
+        scale, zero = p.range.float().contiguous(), p.zero.float().contiguous()
+    if flags["FMT"] == FMT_NUQ:
+        lut = p.codebook.float().contiguous()
+    keep += [t for t in (scale, zero, lut) if t is not None]
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    return _Side(flags["FMT"], flags["BITS"], flags["SMODE"], flags["GROUP"], 0, ptr(scale), ptr(zero), ptr(lut))
+
+
+def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None = None,
+                     stats: dict | None = None) -> torch.Tensor:
+    """The new token's attention over every stored row -> [B, H_q, D] float32 (the signature of
+    reference.decode_attention: a `kernel` for runtime_check.check.check_case). Refuses (ValueError, the reason)
+    what `refusal` names. stats: {"largest_decode_temporary_bytes"} raised to this call's working set (temporary_bytes)."""
+    why = refusal(inp)
+    if why is not None:
+        raise ValueError(why)
+    lib = _LIB["lib"]
+    b, h_q, d = inp.q.shape
+    h_kv = inp.n_kv_heads
+    if h_q % h_kv:
+        raise ValueError(f"n_q_heads={h_q} must be a multiple of n_kv_heads={h_kv}")
+    k_pages, v_pages = pages_of(inp.k_block), pages_of(inp.v_block)
+    if len(k_pages) != len(v_pages):
+        raise ValueError(f"keys are stored in {len(k_pages)} pages, values in {len(v_pages)}: K and V pages must "
+                         f"cover the same rows")
+    kf, vf = side_flags(inp.key_policy), side_flags(inp.value_policy)
+    keep: list = []
+    table, outl = [], set()
+    for kb, vb in zip(k_pages, v_pages):
+        if kb.shape[2] != vb.shape[2]:
+            raise ValueError(f"K and V pages must hold the same rows: a key page at {kb.start} holds {kb.shape[2]} "
+                             f"rows, its value page at {vb.start} {vb.shape[2]}")
+        ks, vs = pages.laid_out(kb, inp.key_policy, kf["SMODE"]), pages.laid_out(vb, inp.value_policy, vf["SMODE"])
+        for side in (ks, vs):
+            if side.fields[4] != 1 and side.tensors[0].dtype == torch.uint8 and side.tensors[0].shape[-1] > 1:
+                raise ValueError(f"stored codes must be contiguous along the row, got stride {side.fields[4]}")
+        table += [kb.start, kb.shape[2], *ks.fields, *vs.fields]
+        outl.add((ks.outliers, vs.outliers))
+        keep.append((ks, vs))
+    if len(outl) > 1:
+        raise ValueError("every page of a side must store sparse outliers, or none")
+    k_outl, v_outl = next(iter(outl)) if outl else (False, False)
+    tab = torch.tensor(table or [0] * N_PAGE, dtype=torch.int64)
+    rope = None
+    if inp.key_rope == "pre" and k_pages:
+        end = k_pages[-1].start + k_pages[-1].shape[2]
+        rope = _rope_table(inp.rotary, end)
+        if rope is None:
+            raise ValueError("the rotary module's cos / sin tables do not repeat their halves: the CPU kernel rotates "
+                             "half by half; the block-wise torch path reads them")
+    q = inp.q.float().contiguous()
+    lam = None if inp.smooth is None else inp.smooth.float().contiguous()
+    ks_, vs_ = _side(inp.key_policy, kf, h_kv, keep), _side(inp.value_policy, vf, h_kv, keep)
+    ks_.outliers, vs_.outliers = int(k_outl), int(v_outl)
+    call = _Call(tab.data_ptr(), len(k_pages), q.data_ptr(), b, h_kv, h_q // h_kv, d, float(inp.scaling),
+                 None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
+                 0 if rope is None else rope.shape[0], _rows(inp.sink), _rows(inp.recent), ks_, vs_)
+    out = torch.empty(b, h_q, d, dtype=torch.float32)
+    threads = threads or torch.get_num_threads()
+    rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvcalib_decode returned {rc}")
+    if stats is not None:
+        rows = [p.shape[2] for p in k_pages]
+        work = temporary_bytes(b, h_kv, h_q // h_kv, d, rows, inp.sink is not None, inp.recent is not None, chunk,
+                               threads) + tab.numel() * 8 + out.numel() * 4
+        key = "largest_decode_temporary_bytes"
+        stats[key] = max(stats.get(key, 0), work)
+    del keep, tab
+    return out
+
+
+# ---- encoding new rows ---------------------------------------------------------------------------------------
+
+_CONSTS: dict[int, tuple] = {}
+
+
+def _encoder_consts(p) -> dict | None:
+    """A policy's tensors as the encoder reads them (float32, contiguous; nuq's midpoints as
+    exporters.codec.nearest_level computes them), made once per policy object; None for a policy the encoder does
+    not take (fp16 and fp8 rows are a cast: the codec's torch path stores them; a rotation is evaluation-only)."""
+    held = _CONSTS.get(id(p))
+    if held is not None and held[0]() is p:
+        return held[1]
+    if p.format not in ("nuq", "uniform") or p.rotation != "none" or p.bits > 8:
+        consts = None
+    else:
+        p.validate("policy")
+        f32 = (lambda t: None if t is None else t.float().contiguous())  # noqa: E731
+        cb = None if p.codebook is None else p.codebook.float()
+        consts = {"mids": None if cb is None else ((cb[1:] + cb[:-1]) / 2).contiguous(),
+                  "zero": f32(p.zero) if p.axis == "channel" and p.format == "nuq" else None,
+                  "range": f32(p.range) if p.axis == "channel" and p.format == "nuq" else None,
+                  "lower": f32(p.lower) if p.outlier_fraction > 0 and p.axis == "channel" else None,
+                  "upper": f32(p.upper) if p.outlier_fraction > 0 and p.axis == "channel" else None,
+                  "group": p.group_size if p.is_grouped else 0}
+    _CONSTS[id(p)] = (weakref.ref(p), consts)
+    return consts
+
+
+def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | None = None,
+                lam: torch.Tensor | None = None):
+    """Rows [B, H, n, D] (float16 as the cache holds them, post-RoPE keys or values) at positions start.. ->
+    the StoredBlock `exporters.layout.store(exporters.codec.encode(x, p), p, start)` gives, byte for byte, where x is
+    the rows in float32, rotated back by `rotary` at their positions (pre-RoPE keys; exporters.rope.invert_rope)
+    and divided by lambda [H, D] (keys of a smoothed policy): the library's kvcalib_encode, per-token outlier bounds
+    included (torch.quantile's linear interpolation, to the bit). None when the kernel does not encode this policy
+    or is not available (the caller runs the codec). Non-finite rows raise the codec's CodecError."""
+    from exporters.codec import CodecError
+    from exporters.layout import StoredBlock
+
+    consts = _encoder_consts(p) if _load() is not None else None
+    if consts is None or rows.device.type != "cpu" or rows.dim() != 4:
+        return None
+    b, h, n, d = rows.shape
+    if d > _LIB["lib"].kvcalib_max_d() or (consts["group"] and n % consts["group"]):
+        return None
+    rope = None
+    if rotary is not None:
+        rope = _rope_table(rotary, start + n)
+        if rope is None:
+            return None
+    x, x_half = rows, rows.dtype == torch.float16
+    if not x_half:
+        x = x.float()
+    lo = hi = None
+    mode, q_lo, q_hi = 0, 0.0, 0.0
+    if p.outlier_fraction > 0:
+        if p.axis == "channel":
+            mode, lo, hi = 1, consts["lower"], consts["upper"]
+        else:  # per-token bounds over every head: the quantiles codec.token_outlier_bounds takes, in float32
+            q = torch.tensor([p.outlier_fraction / 2, 1 - p.outlier_fraction / 2], dtype=torch.float32)
+            mode, q_lo, q_hi = 3, float(q[0]), float(q[1])
+    lam_c = None if lam is None else lam.float().contiguous()
+    n_bytes = -(-d * p.bits // 8)
+    codes = torch.empty(b, h, n, n_bytes, dtype=torch.uint8)
+    g = consts["group"]
+    token = p.axis == "token"
+    sc_shape = (b, h, n, 1) if token else ((b, h, n // g, d) if g else None)
+    scale = None if sc_shape is None else torch.empty(sc_shape, dtype=torch.float16)
+    zero = None if sc_shape is None else torch.empty(sc_shape, dtype=torch.float16)
+    cap = b * h * n * d if mode else 0
+    count = torch.empty(n, b, dtype=torch.int16) if mode else None
+    index = torch.empty(cap, dtype=torch.int16) if mode else None
+    value = torch.empty(cap, dtype=torch.float16) if mode else None
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    enc = _Enc(x.data_ptr(), int(x_half), (ctypes.c_int64 * 4)(*x.stride()), b, h, n, d, start, ptr(rope),
+               ptr(lam_c), FMT_NUQ if p.format == "nuq" else FMT_UNIFORM, p.bits, int(token), g,
+               ptr(consts["mids"]), ptr(consts["zero"]), ptr(consts["range"]), mode, q_lo, q_hi, ptr(lo), ptr(hi),
+               codes.data_ptr(), ptr(scale), ptr(zero), ptr(count), ptr(index), ptr(value), cap,
+               torch.get_num_threads())
+    m = _LIB["lib"].kvcalib_encode(ctypes.byref(enc))
+    if m == -3:
+        bad = x.float()
+        raise CodecError(f"{int((~torch.isfinite(bad)).sum())} non-finite entries in the rows to encode")
+    if m < 0:
+        raise RuntimeError(f"kvcalib_encode returned {m}")
+    out = {"codes": codes}
+    if scale is not None:
+        out["scale"], out["zero"] = scale, zero
+    if mode:
+        out["outlier_count"], out["outlier_index"], out["outlier_value"] = count, index[:m], value[:m]
+    return StoredBlock(start, (b, h, n, d), out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m runtime_check.cpu_attention build|status`: build the kernel (or say why not) / report it."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] not in (["build"], ["status"]):
+        print("usage: python -m runtime_check.cpu_attention build|status", file=sys.stderr)
+        return 2
+    if argv[0] == "build":
+        try:
+            print(f"kvcalib: fused CPU decode kernel built: {build()}")
+        except (OSError, subprocess.SubprocessError) as exc:
+            print(f"kvcalib: the fused CPU decode kernel was not built ({exc}); the block-wise torch attention "
+                  f"serves single-token steps instead", file=sys.stderr)
+        return 0
+    print(status())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

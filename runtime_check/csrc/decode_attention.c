@@ -1,0 +1,687 @@
+/* Fused decode attention over the stored cache, on the CPU: one new query token per sequence.
+ *
+ * Reads one layer's cache where it lies -- the page table of runtime_check/pages.py (per page: position, rows, then
+ * for K and for V the data address and strides, scale / zero addresses and strides, outlier counts, their exclusive
+ * prefix sum, indices, values; addresses in elements of each tensor) and the fp16 sink and residual rows -- and,
+ * per tile of TILE rows of one (sequence, kv head): unpacks the b-bit codes (little-endian bit stream, code j at
+ * bits [j*b, (j+1)*b)), maps them through the codebook (nuq) or code * scale + zero (uniform; per token, per channel
+ * group, or static per channel), or fp8 bytes through their 256-entry table times the per-head scale, puts the
+ * sparse outliers of each row back, multiplies keys by the SmoothAttention lambda, rotates pre-RoPE keys at their
+ * positions (rotate-half, cos / sin from the caller's table), computes the scores of every query head of the GQA
+ * group against the tile (each kv head's rows read once for its group), an online softmax in float32 and the value
+ * sum. Work items (sequence, kv head, run of rows) run in parallel (OpenMP, the process's runtime: torch's), each
+ * leaving (max, sum, accumulator) partials that one pass merges by the same rule.
+ *
+ * Built by runtime_check/cpu_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off); called through ctypes.
+ * The attention's arithmetic is the oracle's (runtime_check/reference.py) up to float32 rounding (summation order);
+ * the encoder's (kvcalib_encode, at the end) is the codec's to the bit.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { FMT_FP16 = 0, FMT_FP8 = 1, FMT_UNIFORM = 2, FMT_NUQ = 3 };
+enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
+#define N_SIDE 15
+#define N_PAGE (2 + 2 * N_SIDE)
+#define TILE 16
+#define MAX_D 256
+#define MAX_G 32
+#define KVCALIB_ABI 1
+
+typedef _Float16 half;
+
+typedef struct {
+    int32_t fmt, bits, smode, group, outliers;
+    const float *scale;  /* SC_HEAD: [H_kv] fp8 scale; SC_STATIC: range [H_kv, D] */
+    const float *zero;   /* SC_STATIC: zero [H_kv, D] */
+    const float *lut;    /* FMT_NUQ: codebook [2^bits]; FMT_FP8: the value of each byte [256] */
+} Side;
+
+typedef struct {
+    const half *k, *v;   /* [B, H_kv, n, D] fp16 post-RoPE, element strides below; NULL: none */
+    int64_t ks[4], vs[4];
+    int64_t n;
+} Rows;
+
+typedef struct {
+    int64_t b, h;        /* sequence, kv head */
+    int64_t kind;        /* -1: sink rows, -2: residual rows, >= 0: page index */
+    int64_t r0, r1;      /* run of rows */
+} Item;
+
+typedef struct {
+    const int64_t *pages; int64_t n_pages;
+    const float *q; int64_t B, H_kv, G, D;   /* q [B, H_kv * G, D] contiguous */
+    float scaling;
+    const float *lam;    /* [H_kv, D] or NULL */
+    const float *rope;   /* [N, 2, D / 2]: cos then sin of each position's D / 2 frequencies, or NULL */
+    int64_t rope_n;
+    Rows sink, recent;
+    Side ks, vs;
+    float klut16[16], vlut16[16];   /* the codebooks padded to 16 (filled by kvcalib_decode) */
+} Call;
+
+int kvcalib_abi(void) { return KVCALIB_ABI; }
+int kvcalib_tile(void) { return TILE; }
+int kvcalib_max_d(void) { return MAX_D; }
+int kvcalib_max_g(void) { return MAX_G; }
+
+int kvcalib_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Codes of one packed row: D codes of `bits` bits -> c[0..D-1]. */
+static inline void unpack(const uint8_t *p, int bits, int64_t D, uint8_t *c) {
+    if (bits == 4) {
+        for (int64_t j = 0; j < D / 2; j++) {
+            uint8_t x = p[j];
+            c[2 * j] = x & 15;
+            c[2 * j + 1] = x >> 4;
+        }
+        if (D & 1) c[D - 1] = p[D / 2] & 15;
+    } else if (bits == 2) {
+        for (int64_t j = 0; j < D; j++) c[j] = (p[j >> 2] >> ((j & 3) * 2)) & 3;
+    } else if (bits == 8) {
+        memcpy(c, p, (size_t)D);
+    } else {
+        const int64_t n_bytes = (D * bits + 7) / 8;
+        const int mask = (1 << bits) - 1;
+        for (int64_t j = 0; j < D; j++) {
+            int64_t bit = j * bits, i = bit >> 3;
+            int w = p[i] | (i + 1 < n_bytes ? p[i + 1] << 8 : 0);
+            c[j] = (uint8_t)((w >> (bit & 7)) & mask);
+        }
+    }
+}
+
+/* The levels of one packed row of codes: nuq's codebook entry or uniform's code as a float -> lv[0..D-1]. With
+ * AVX-512, 2- and 4-bit rows of D % 32 == 0 channels are unpacked 32 codes at a time and mapped through the
+ * codebook held in one register (permutexvar); everything else code by code. lut16: the codebook padded to 16. */
+static inline __attribute__((always_inline)) void levels_row(const Side *sd, const float *lut16, const uint8_t *p, int64_t D, float *lv) {
+#ifdef __AVX512F__
+    if ((sd->bits == 4 || sd->bits == 2) && D % 32 == 0) {
+        const __m512 book = _mm512_loadu_ps(lut16);
+        const int nuq = sd->fmt == FMT_NUQ;
+        for (int64_t j = 0; j < D; j += 32) {
+            __m128i c0, c1;   /* codes j..j+15, j+16..j+31 as bytes */
+            if (sd->bits == 4) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(p + j / 2));
+                const __m128i m = _mm_set1_epi8(15);
+                const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+                c0 = _mm_unpacklo_epi8(lo, hi);
+                c1 = _mm_unpackhi_epi8(lo, hi);
+            } else {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(p + j / 4));   /* 8 bytes, 32 codes */
+                const __m128i m = _mm_set1_epi8(3);
+                const __m128i e0 = _mm_and_si128(b, m), e1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+                const __m128i e2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), e3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+                const __m128i a01 = _mm_unpacklo_epi8(e0, e1), a23 = _mm_unpacklo_epi8(e2, e3);  /* per byte i: e0 e1 / e2 e3 */
+                c0 = _mm_unpacklo_epi16(a01, a23);   /* bytes 0..3: e0 e1 e2 e3 each */
+                c1 = _mm_unpackhi_epi16(a01, a23);   /* bytes 4..7 */
+            }
+            const __m512i i0 = _mm512_cvtepu8_epi32(c0), i1 = _mm512_cvtepu8_epi32(c1);
+            _mm512_storeu_ps(lv + j, nuq ? _mm512_permutexvar_ps(i0, book) : _mm512_cvtepi32_ps(i0));
+            _mm512_storeu_ps(lv + j + 16, nuq ? _mm512_permutexvar_ps(i1, book) : _mm512_cvtepi32_ps(i1));
+        }
+        return;
+    }
+#endif
+    uint8_t c[MAX_D];
+    unpack(p, sd->bits, D, c);
+    if (sd->fmt == FMT_NUQ)
+        for (int64_t d = 0; d < D; d++) lv[d] = sd->lut[c[d]];
+    else
+        for (int64_t d = 0; d < D; d++) lv[d] = (float)c[d];
+}
+
+/* One stored row (page-relative row t of sequence b, kv head h) of one side -> out[0..D-1] float32, outliers in. */
+static inline __attribute__((always_inline)) void decode_row(const Side *sd, const float *lut16, const int64_t *f, int64_t B, int64_t D,
+                              int64_t b, int64_t h, int64_t t, float *out) {
+    const int64_t off = b * f[1] + h * f[2] + t * f[3];
+    const int64_t dc = f[4];
+    if (sd->fmt == FMT_FP16) {
+        const half *p = (const half *)(intptr_t)(f[0] * 2) + off;
+        if (dc == 1)
+            for (int64_t d = 0; d < D; d++) out[d] = (float)p[d];
+        else
+            for (int64_t d = 0; d < D; d++) out[d] = (float)p[d * dc];
+    } else if (sd->fmt == FMT_FP8) {
+        const uint8_t *p = (const uint8_t *)(intptr_t)f[0] + off;
+        const float s = sd->scale[h];
+        for (int64_t d = 0; d < D; d++) out[d] = sd->lut[p[d * dc]] * s;
+    } else {
+        const uint8_t *p = (const uint8_t *)(intptr_t)f[0] + off;   /* codes: last stride 1 (checked by the host) */
+        float lv[MAX_D];
+        levels_row(sd, lut16, p, D, lv);
+        if (sd->smode == SC_TOKEN) {
+            const int64_t so = b * f[7] + h * f[8] + t * f[9];
+            const float s = (float)((const half *)(intptr_t)(f[5] * 2))[so];
+            const float z = (float)((const half *)(intptr_t)(f[6] * 2))[so];
+            for (int64_t d = 0; d < D; d++) out[d] = lv[d] * s + z;
+        } else if (sd->smode == SC_GROUP) {
+            const int64_t so = b * f[7] + h * f[8] + (t / sd->group) * f[9];
+            const half *s = (const half *)(intptr_t)(f[5] * 2) + so;
+            const half *z = (const half *)(intptr_t)(f[6] * 2) + so;
+            const int64_t sc = f[10];
+            if (sc == 1)
+                for (int64_t d = 0; d < D; d++) out[d] = lv[d] * (float)s[d] + (float)z[d];
+            else
+                for (int64_t d = 0; d < D; d++) out[d] = lv[d] * (float)s[d * sc] + (float)z[d * sc];
+        } else { /* SC_STATIC */
+            const float *s = sd->scale + h * D, *z = sd->zero + h * D;
+            for (int64_t d = 0; d < D; d++) out[d] = lv[d] * s[d] + z[d];
+        }
+    }
+    if (sd->outliers) {
+        const int64_t r = t * B + b;   /* token row t of sequence b: outlier row t * B + b */
+        const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
+        const int64_t first = ((const int64_t *)(intptr_t)(f[12] * 8))[r];
+        const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
+        const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
+        for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row: this head's only */
+            const int64_t e = idx[i];
+            if (e / D == h) out[e % D] = (float)val[i];
+        }
+    }
+}
+
+typedef struct {
+    float m[MAX_G], l[MAX_G];
+    float *acc;          /* [G, D] */
+} State;
+
+/* e^x for x <= 0 (scores minus their running max), vectorizable: x = k ln2 + r with |r| <= ln2 / 2 (ln2 in two
+ * parts), e^r by its degree-7 Taylor polynomial (relative error below 2e-8 there), times 2^k from the exponent
+ * bits. About 1 ulp of expf. Below x = -64 it returns 0: the weight of such a row is under 2e-28 of the largest
+ * (whose weight is 1), far below float32 resolution of the sum, and a product of it with a value would be a
+ * subnormal float, which the CPU computes a hundred times slower. */
+static inline float exp_neg(float x) {
+    const float zero = x < -64.f ? 0.f : 1.f;
+    x = x < -64.f ? -64.f : x;
+    const float k = nearbyintf(x * 1.44269504088896341f);
+    float r = x - k * 0.693145751953125f;
+    r = r - k * 1.42860682030941723212e-6f;
+    const float p = 1.f + r * (1.f + r * (0.5f + r * (0.166666666666666667f + r * (0.0416666666666666667f +
+                    r * (0.00833333333333333333f + r * (0.00138888888888888889f + r * 0.000198412698412698413f))))));
+    union { int32_t i; float f; } u = {.i = ((int32_t)k + 127) << 23};
+    return p * u.f * zero;
+}
+
+/* q . k over D channels: with AVX-512, 16 lanes of fused multiply-adds and one tree reduction (the order differs
+ * from the oracle's by float32 rounding only); else 8 partial sums. */
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t D) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float part[8] = {0.f};
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; j++) part[j] += a[d + j] * b[d + j];
+    float s = 0.f;
+    for (; d < D; d++) s += a[d] * b[d];
+    for (int j = 0; j < 8; j++) s += part[j];
+    return s;
+}
+
+/* One tile of nt keys K [nt, D] and values V [nt, D] into the running state of the G query heads qs [G, D]
+ * (already multiplied by the scaling). */
+static inline __attribute__((always_inline)) void tile_update(State *st, const float *qs, const float *K, const float *V, int nt, int64_t G,
+                               int64_t D) {
+    float s[MAX_G][TILE];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qs + g * D;
+        for (int t = 0; t < nt; t++) {
+            const float *k = K + t * D;
+            s[g][t] = dot(qg, k, D);
+        }
+        float mt = s[g][0];
+        for (int t = 1; t < nt; t++) mt = s[g][t] > mt ? s[g][t] : mt;
+        const float m_new = st->m[g] > mt ? st->m[g] : mt;
+        const float alpha = st->m[g] == -INFINITY ? 0.f : exp_neg(st->m[g] - m_new);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < nt; t++) {
+            s[g][t] = exp_neg(s[g][t] - m_new);
+            sum += s[g][t];
+        }
+        st->l[g] = st->l[g] * alpha + sum;
+        st->m[g] = m_new;
+        float *acc = st->acc + g * D;
+        for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+        for (int t = 0; t < nt; t++) {
+            const float p = s[g][t];
+            const float *v = V + t * D;
+            for (int64_t d = 0; d < D; d++) acc[d] += p * v[d];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void run_rows_d(const Call *c, const Rows *rw, const Item *it,
+                                                           const float *qs, State *st, float *K, float *V,
+                                                           const int64_t D) {
+    for (int64_t r = it->r0; r < it->r1; r += TILE) {
+        const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
+        for (int t = 0; t < nt; t++) {
+            const half *k = rw->k + it->b * rw->ks[0] + it->h * rw->ks[1] + (r + t) * rw->ks[2];
+            const half *v = rw->v + it->b * rw->vs[0] + it->h * rw->vs[1] + (r + t) * rw->vs[2];
+            for (int64_t d = 0; d < D; d++) {
+                K[t * D + d] = (float)k[d * rw->ks[3]];
+                V[t * D + d] = (float)v[d * rw->vs[3]];
+            }
+        }
+        tile_update(st, qs, K, V, nt, c->G, D);
+    }
+}
+
+static inline __attribute__((always_inline)) void run_page_d(const Call *c, const Item *it, const float *qs,
+                                                           State *st, float *K, float *V, const int64_t D) {
+    const int64_t half_d = D / 2;
+    const int64_t *pg = c->pages + it->kind * N_PAGE;
+    const int64_t start = pg[0];
+    const int64_t *fk = pg + 2, *fv = pg + 2 + N_SIDE;
+    const float *lam = c->lam ? c->lam + it->h * D : NULL;
+    for (int64_t r = it->r0; r < it->r1; r += TILE) {
+        const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
+        for (int t = 0; t < nt; t++) {
+            float *k = K + t * D;
+            decode_row(&c->ks, c->klut16, fk, c->B, D, it->b, it->h, r + t, k);
+            if (lam)
+                for (int64_t d = 0; d < D; d++) k[d] *= lam[d];
+            if (c->rope) {   /* rotate-half at the row's position: x1 cos - x2 sin, x2 cos + x1 sin */
+                const float *cs = c->rope + (start + r + t) * D, *sn = cs + half_d;
+                for (int64_t d = 0; d < half_d; d++) {
+                    const float x1 = k[d], x2 = k[d + half_d];
+                    k[d] = x1 * cs[d] - x2 * sn[d];
+                    k[d + half_d] = x2 * cs[d] + x1 * sn[d];
+                }
+            }
+            decode_row(&c->vs, c->vlut16, fv, c->B, D, it->b, it->h, r + t, V + t * D);
+        }
+        tile_update(st, qs, K, V, nt, c->G, D);
+    }
+}
+
+/* The head dimensions of the models we serve as compile-time constants (the loops over D unrolled, the running
+ * accumulator in registers); any other even D through the same code with D at run time. */
+static void run_rows(const Call *c, const Rows *rw, const Item *it, const float *qs, State *st, float *K, float *V) {
+    switch (c->D) {
+    case 64: run_rows_d(c, rw, it, qs, st, K, V, 64); break;
+    case 128: run_rows_d(c, rw, it, qs, st, K, V, 128); break;
+    case 256: run_rows_d(c, rw, it, qs, st, K, V, 256); break;
+    default: run_rows_d(c, rw, it, qs, st, K, V, c->D);
+    }
+}
+
+static void run_page(const Call *c, const Item *it, const float *qs, State *st, float *K, float *V) {
+    switch (c->D) {
+    case 64: run_page_d(c, it, qs, st, K, V, 64); break;
+    case 128: run_page_d(c, it, qs, st, K, V, 128); break;
+    case 256: run_page_d(c, it, qs, st, K, V, 256); break;
+    default: run_page_d(c, it, qs, st, K, V, c->D);
+    }
+}
+
+/* The attention of every sequence's new token over the layer's cache -> out [B, H_kv * G, D].
+ * chunk: rows per work item (a page's rows are cut into runs of at most chunk). Returns 0, or a negative code. */
+int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
+    for (int i = 0; i < 16; i++) {
+        c->klut16[i] = c->ks.fmt == FMT_NUQ && c->ks.bits <= 4 && i < (1 << c->ks.bits) ? c->ks.lut[i] : 0.f;
+        c->vlut16[i] = c->vs.fmt == FMT_NUQ && c->vs.bits <= 4 && i < (1 << c->vs.bits) ? c->vs.lut[i] : 0.f;
+    }
+    const int64_t B = c->B, H = c->H_kv, G = c->G, D = c->D;
+    if (D > MAX_D || G > MAX_G || D % 2 || chunk < 1) return -1;
+    /* work items, grouped by (sequence, kv head) so that the merge reads each group's partials in a run */
+    int64_t per = 0;
+    if (c->sink.n) per++;
+    if (c->recent.n) per++;
+    for (int64_t i = 0; i < c->n_pages; i++) per += (c->pages[i * N_PAGE + 1] + chunk - 1) / chunk;
+    if (per == 0) per = 1;
+    const int64_t n_items = B * H * per;
+    Item *items = (Item *)malloc(sizeof(Item) * (size_t)n_items);
+    float *part = (float *)malloc(sizeof(float) * (size_t)(n_items * G * (D + 2)));
+    if (!items || !part) { free(items); free(part); return -2; }
+    int64_t k = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t k0 = k;
+            if (c->sink.n) items[k++] = (Item){b, h, -1, 0, c->sink.n};
+            for (int64_t i = 0; i < c->n_pages; i++) {
+                const int64_t n = c->pages[i * N_PAGE + 1];
+                for (int64_t a = 0; a < n; a += chunk) items[k++] = (Item){b, h, i, a, a + chunk < n ? a + chunk : n};
+            }
+            if (c->recent.n) items[k++] = (Item){b, h, -2, 0, c->recent.n};
+            while (k < k0 + per) items[k++] = (Item){b, h, -3, 0, 0};   /* nothing held: an empty item */
+        }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int64_t i = 0; i < n_items; i++) {
+        const Item *it = &items[i];
+        float qs[MAX_G * MAX_D];
+        float K[TILE * MAX_D], V[TILE * MAX_D];
+        float *pm = part + i * G * (D + 2), *pl = pm + G, *pacc = pl + G;
+        State st;
+        st.acc = pacc;
+        for (int64_t g = 0; g < G; g++) {
+            st.m[g] = -INFINITY;
+            st.l[g] = 0.f;
+            const float *qg = c->q + ((it->b * H + it->h) * G + g) * D;
+            for (int64_t d = 0; d < D; d++) qs[g * D + d] = qg[d] * c->scaling;
+        }
+        memset(pacc, 0, sizeof(float) * (size_t)(G * D));
+        if (it->kind == -1) run_rows(c, &c->sink, it, qs, &st, K, V);
+        else if (it->kind == -2) run_rows(c, &c->recent, it, qs, &st, K, V);
+        else if (it->kind >= 0) run_page(c, it, qs, &st, K, V);
+        for (int64_t g = 0; g < G; g++) { pm[g] = st.m[g]; pl[g] = st.l[g]; }
+    }
+    /* merge each (sequence, kv head)'s items: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i */
+#pragma omp parallel for num_threads(n_threads)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        for (int64_t g = 0; g < G; g++) {
+            float M = -INFINITY;
+            for (int64_t j = 0; j < per; j++) {
+                const float m = part[(bh * per + j) * G * (D + 2) + g];
+                M = m > M ? m : M;
+            }
+            float *o = out + (bh * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+            float L = 0.f;
+            for (int64_t j = 0; j < per; j++) {
+                const float *pm = part + (bh * per + j) * G * (D + 2);
+                if (pm[g] == -INFINITY) continue;
+                const float w = expf(pm[g] - M);
+                L += w * pm[G + g];
+                const float *acc = pm + 2 * G + g * D;
+                for (int64_t d = 0; d < D; d++) o[d] += w * acc[d];
+            }
+            for (int64_t d = 0; d < D; d++) o[d] /= L;
+        }
+    }
+    free(items);
+    free(part);
+    return 0;
+}
+
+
+/* ---- encoding new rows: exporters.codec.encode + exporters.layout.store, byte for byte ----------------------
+ *
+ * For uniform and nuq rows (the formats whose encode is more than a cast): optional inverse RoPE at the rows'
+ * positions (x cos + rotate_half(x) (-sin), each product and the sum rounded apart, as torch computes it: this file
+ * is compiled with -ffp-contract=off) and division by lambda, then the sparse outliers split off (static
+ * per-channel bounds, or per-(sequence, token) bounds given by the caller -- codec.token_outlier_bounds, torch's
+ * quantile), the codes (nuq: nearest codebook level of the clamped (x - zero) / range, a tie to the lower level;
+ * uniform: round half to even of (x - min) / scale) with fp16 per-token or per-group scales, packed little-endian;
+ * outliers in store's order (token row t * B + b, then h * D + d). Returns the number of outliers written, or -1
+ * when they exceed the capacity given. */
+typedef struct {
+    const void *x; int32_t x_half; int64_t xs[4];   /* rows [B, H, n, D]: fp16 (x_half) or float32, element strides */
+    int64_t B, H, n, D, start;
+    const float *rope; const float *lam;           /* [N, 2, D / 2] (inverse RoPE at start..), [H, D]; or NULL */
+    int32_t fmt, bits, token_axis, group;          /* token_axis: per-token scales; else channel (group > 0:
+                                                      uniform per-channel groups of `group` rows; 0: nuq static) */
+    const float *mids;                             /* nuq: the L - 1 midpoints between sorted levels */
+    const float *zero, *range;                     /* nuq channel: [H, D] */
+    int32_t outliers;                              /* 0: none, 1: static bounds [H, D], 2: per (b, t) bounds [B, n]
+                                                      given, 3: per (b, t) bounds computed here (quantiles q_lo,
+                                                      q_hi of the token's H * D entries, as torch.quantile) */
+    float q_lo, q_hi;
+    const float *lower, *upper;
+    uint8_t *codes;                                /* [B, H, n, n_bytes] */
+    half *scale, *zero_out;                        /* token: [B, H, n]; group: [B, H, n / group, D] */
+    int16_t *out_count; int16_t *out_index; half *out_value; int64_t out_cap;
+    int32_t n_threads;                             /* OpenMP threads for a large batch of rows (prefill) */
+} Enc;
+
+static inline float to_half_float(float v) { return (float)(half)v; }
+
+/* torch.bucketize(x, mids) (right=False): the number of midpoints strictly below each x, i.e. the nearest level
+ * with a tie to the lower one. */
+static inline void bucketize(const float *x, const float *mids, int64_t n_mids, int64_t D, uint8_t *c) {
+    int32_t k[MAX_D];
+    for (int64_t d = 0; d < D; d++) k[d] = 0;
+    for (int64_t j = 0; j < n_mids; j++) {
+        const float m = mids[j];
+        for (int64_t d = 0; d < D; d++) k[d] += m < x[d];
+    }
+    for (int64_t d = 0; d < D; d++) c[d] = (uint8_t)k[d];
+}
+
+static void pack(const uint8_t *c, int bits, int64_t D, uint8_t *p) {
+    const int64_t n_bytes = (D * bits + 7) / 8;
+    memset(p, 0, (size_t)n_bytes);
+    for (int64_t j = 0; j < D; j++) {
+        const int64_t bit = j * bits, i = bit >> 3;
+        const int w = c[j] << (bit & 7);
+        p[i] |= (uint8_t)(w & 255);
+        if ((w >> 8) && i + 1 < n_bytes) p[i + 1] |= (uint8_t)(w >> 8);
+    }
+}
+
+
+/* The k-th smallest of a[0..n-1] (0-based; a is reordered: smaller ones before k, larger after), by Hoare's
+ * selection with a median-of-three pivot. */
+static float select_kth(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (hi > lo) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        float x = a[lo], y = a[mid], z = a[hi];
+        const float pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
+            if (i <= j) { const float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else return a[k];
+    }
+    return a[k];
+}
+
+/* torch.quantile(row, q) with linear interpolation, for float32 q: rank = q (n - 1) in float32, the values of
+ * sorted order at floor and ceil of it, lerp(below, above, rank - floor) in ATen's form (weight < 0.5: below +
+ * weight (above - below), else above - (above - below)(1 - weight)). a: the row (reordered). */
+static float quantile(float *a, int64_t n, float q) {
+    const float rank = q * (float)(n - 1);
+    const int64_t below = (int64_t)rank, above = (int64_t)ceilf(rank);
+    const float lo = select_kth(a, n, below);
+    float hi = lo;
+    if (above != below) {   /* the next smallest: the least of what selection left after `below` */
+        hi = a[below + 1];
+        for (int64_t i = below + 2; i < n; i++) hi = a[i] < hi ? a[i] : hi;
+    }
+    const float w = rank - (float)below, diff = hi - lo;
+    return fabsf(w) < 0.5f ? lo + w * diff : hi - diff * (1.f - w);
+}
+
+int64_t kvcalib_encode(const Enc *e) {
+    const int64_t B = e->B, H = e->H, n = e->n, D = e->D, hd = D / 2;
+    const int64_t n_bytes = (D * e->bits + 7) / 8, levels = (1 << e->bits) - 1;
+    const int64_t nm = (int64_t)1 << e->bits;
+    float *x = (float *)malloc(sizeof(float) * (size_t)(B * H * n * D));     /* prepared rows, [B, H, n, D] */
+    float *in = (float *)malloc(sizeof(float) * (size_t)(B * H * n * D));    /* inliers (clamped) */
+    uint8_t *out = (uint8_t *)malloc((size_t)(B * H * n * D));               /* is an outlier */
+    if (!x || !in || !out) { free(x); free(in); free(out); return -2; }
+    const int par = B * H * n * D >= (1 << 15);   /* threads only where the rows pay for them (a prefill chunk) */
+#pragma omp parallel for collapse(3) if (par) num_threads(e->n_threads)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < n; t++) {
+                float *r = x + ((b * H + h) * n + t) * D;
+                const int64_t o = b * e->xs[0] + h * e->xs[1] + t * e->xs[2];
+                if (e->x_half)
+                    for (int64_t d = 0; d < D; d++) r[d] = (float)((const half *)e->x)[o + d * e->xs[3]];
+                else
+                    for (int64_t d = 0; d < D; d++) r[d] = ((const float *)e->x)[o + d * e->xs[3]];
+                if (e->rope) {
+                    const float *cs = e->rope + (e->start + t) * D, *sn = cs + hd;
+                    float tmp[MAX_D];
+                    for (int64_t d = 0; d < hd; d++) {
+                        const float x1 = r[d], x2 = r[d + hd];
+                        const float a = x1 * cs[d], bb = x2 * sn[d];   /* (-x2) (-sin) */
+                        tmp[d] = a + bb;
+                        const float c2 = x2 * cs[d], d2 = x1 * -sn[d];
+                        tmp[d + hd] = c2 + d2;
+                    }
+                    memcpy(r, tmp, sizeof(float) * (size_t)D);
+                }
+                if (e->lam)
+                    for (int64_t d = 0; d < D; d++) r[d] = r[d] / e->lam[h * D + d];
+            }
+    for (int64_t i = 0; i < B * H * n * D; i++)
+        if (!isfinite(x[i])) { free(x); free(in); free(out); return -3; }
+    float *tlo = NULL, *thi = NULL;
+    if (e->outliers == 3) {   /* per (sequence, token) quantiles over its H * D entries */
+        tlo = (float *)malloc(sizeof(float) * (size_t)(2 * B * n));
+        float *row = (float *)malloc(sizeof(float) * (size_t)(H * D));
+        if (!tlo || !row) { free(tlo); free(row); free(x); free(in); free(out); return -2; }
+        thi = tlo + B * n;
+        free(row);
+#pragma omp parallel if (par) num_threads(e->n_threads)
+        {
+            float *own = (float *)malloc(sizeof(float) * (size_t)(H * D));
+#pragma omp for collapse(2)
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t t = 0; t < n; t++) {
+                    for (int64_t h = 0; h < H; h++)
+                        memcpy(own + h * D, x + ((b * H + h) * n + t) * D, sizeof(float) * (size_t)D);
+                    tlo[b * n + t] = quantile(own, H * D, e->q_lo);
+                    thi[b * n + t] = quantile(own, H * D, e->q_hi);
+                }
+            free(own);
+        }
+    }
+    /* outliers: static per-channel bounds, or per (sequence, token) over every head */
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t d = 0; d < D; d++) {
+                    const int64_t i = ((b * H + h) * n + t) * D + d;
+                    float v = x[i], lo, hi;
+                    int is_out = 0;
+                    if (e->outliers == 1) { lo = e->lower[h * D + d]; hi = e->upper[h * D + d]; }
+                    else if (e->outliers == 2) { lo = e->lower[b * n + t]; hi = e->upper[b * n + t]; }
+                    else if (e->outliers == 3) { lo = tlo[b * n + t]; hi = thi[b * n + t]; }
+                    if (e->outliers) {
+                        is_out = v < lo || v > hi;
+                        v = v > lo ? v : lo;          /* torch.minimum(torch.maximum(x, lo), hi) */
+                        v = v < hi ? v : hi;
+                    }
+                    in[i] = v;
+                    out[i] = (uint8_t)is_out;
+                }
+    free(tlo);
+    if (e->token_axis) {
+#pragma omp parallel for collapse(3) if (par) num_threads(e->n_threads)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t t = 0; t < n; t++) {
+                    uint8_t c[MAX_D];
+                    float lv[MAX_D];
+                    const float *r = in + ((b * H + h) * n + t) * D;
+                    float mn = r[0], mx = r[0];
+                    for (int64_t d = 1; d < D; d++) { mn = r[d] < mn ? r[d] : mn; mx = r[d] > mx ? r[d] : mx; }
+                    float sc, z;
+                    if (e->fmt == FMT_NUQ) {
+                        z = to_half_float((mx + mn) / 2);
+                        sc = to_half_float((mx - mn) / 2);
+                        for (int64_t d = 0; d < D; d++) {
+                            float xn = sc > 0 ? (r[d] - z) / sc : 0.f;
+                            lv[d] = xn < -1.f ? -1.f : (xn > 1.f ? 1.f : xn);
+                        }
+                        bucketize(lv, e->mids, nm - 1, D, c);
+                    } else {
+                        sc = to_half_float((mx - mn) / (float)levels);
+                        z = to_half_float(mn);
+                        for (int64_t d = 0; d < D; d++) {
+                            float q = sc > 0 ? nearbyintf((r[d] - z) / sc) : 0.f;
+                            q = q < 0.f ? 0.f : (q > (float)levels ? (float)levels : q);
+                            c[d] = (uint8_t)q;
+                        }
+                    }
+                    e->scale[(b * H + h) * n + t] = (half)sc;
+                    e->zero_out[(b * H + h) * n + t] = (half)z;
+                    pack(c, e->bits, D, e->codes + ((b * H + h) * n + t) * n_bytes);
+                }
+    } else if (e->group > 0) {   /* uniform per-channel groups of `group` rows: n a multiple of it */
+        const int64_t g = e->group, ng = n / g;
+#pragma omp parallel for collapse(3) if (par) num_threads(e->n_threads)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t k = 0; k < ng; k++) {
+                    uint8_t c[MAX_D];
+                    half *so = e->scale + ((b * H + h) * ng + k) * D, *zo = e->zero_out + ((b * H + h) * ng + k) * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        float mn = in[((b * H + h) * n + k * g) * D + d], mx = mn;
+                        for (int64_t t = 1; t < g; t++) {
+                            const float v = in[((b * H + h) * n + k * g + t) * D + d];
+                            mn = v < mn ? v : mn;
+                            mx = v > mx ? v : mx;
+                        }
+                        so[d] = (half)((mx - mn) / (float)levels);
+                        zo[d] = (half)mn;
+                    }
+                    for (int64_t t = 0; t < g; t++) {
+                        const float *r = in + ((b * H + h) * n + k * g + t) * D;
+                        for (int64_t d = 0; d < D; d++) {
+                            const float sc = (float)so[d], z = (float)zo[d];
+                            float q = sc > 0 ? nearbyintf((r[d] - z) / sc) : 0.f;
+                            q = q < 0.f ? 0.f : (q > (float)levels ? (float)levels : q);
+                            c[d] = (uint8_t)q;
+                        }
+                        pack(c, e->bits, D, e->codes + ((b * H + h) * n + k * g + t) * n_bytes);
+                    }
+                }
+    } else {   /* nuq, static per-channel zero / range */
+#pragma omp parallel for collapse(3) if (par) num_threads(e->n_threads)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t t = 0; t < n; t++) {
+                    uint8_t c[MAX_D];
+                    float lv[MAX_D];
+                    const float *r = in + ((b * H + h) * n + t) * D;
+                    const float *z = e->zero + h * D, *rg = e->range + h * D;
+                    for (int64_t d = 0; d < D; d++) {
+                        float xn = rg[d] > 0 ? (r[d] - z[d]) / rg[d] : 0.f;
+                        lv[d] = xn < -1.f ? -1.f : (xn > 1.f ? 1.f : xn);
+                    }
+                    bucketize(lv, e->mids, nm - 1, D, c);
+                    pack(c, e->bits, D, e->codes + ((b * H + h) * n + t) * n_bytes);
+                }
+    }
+    int64_t m = 0;
+    if (e->outliers) {   /* store's order: token row t * B + b, then h * D + d within it */
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t b = 0; b < B; b++) {
+                int64_t cnt = 0;
+                for (int64_t h = 0; h < H; h++)
+                    for (int64_t d = 0; d < D; d++) {
+                        const int64_t i = ((b * H + h) * n + t) * D + d;
+                        if (!out[i]) continue;
+                        if (m >= e->out_cap) { free(x); free(in); free(out); return -1; }
+                        e->out_index[m] = (int16_t)(h * D + d);
+                        e->out_value[m] = (half)x[i];
+                        m++;
+                        cnt++;
+                    }
+                e->out_count[t * B + b] = (int16_t)cnt;
+            }
+    }
+    free(x); free(in); free(out);
+    return m;
+}
