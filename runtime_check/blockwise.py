@@ -327,8 +327,9 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     blocks = stored_blocks(inp, limit, block)
     if own is not None and not own_fused:
         blocks = _chain(blocks, _own_blocks(own, limit, block))
-    largest = 0
+    largest, seen = 0, False
     for k, v, p0 in blocks:
+        seen = True
         n = k.shape[2]
         k, v = k.to(device), v.to(device)
         if op is not None and p0 + n - 1 <= q_start:  # every row before every query: one fused call
@@ -354,8 +355,13 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     if own_fused:  # the chunk's own rows, causal: query i sees own rows 0..i
         k, v = (x.float().repeat_interleave(g, dim=1) for x in own)                   # [B, H_q, T_q, D]
         o, lse = op(query.float(), k, v, is_causal=True, scale=scaling)[:2]
-        m, l, acc = _merge((m, l, acc), o.reshape(b, h_kv, g, t_q, d), lse.reshape(b, h_kv, g, t_q))
         largest = max(largest, sum(t.numel() * t.element_size() for t in (k, v, o, lse)))
+        if not seen:  # nothing before the chunk (its first rows): merging into the empty state gives o itself
+            if stats is not None:
+                key = "largest_prefill_temporary_bytes"
+                stats[key] = max(stats.get(key, 0), largest + sum(t.numel() * t.element_size() for t in (q, m, l, acc)))
+            return o
+        m, l, acc = _merge((m, l, acc), o.reshape(b, h_kv, g, t_q, d), lse.reshape(b, h_kv, g, t_q))
     if stats is not None:
         live = sum(t.numel() * t.element_size() for t in (q, m, l, acc))
         key = "largest_decode_temporary_bytes" if t_q == 1 else "largest_prefill_temporary_bytes"

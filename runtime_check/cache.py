@@ -395,6 +395,7 @@ class ArtifactCache(Cache):
         if isinstance(page, bool) or not isinstance(page, int) or page < 1:
             raise InputError(f"ArtifactCache: page must be a positive int of rows, got {page!r}")
         self.attention, self.block, self.prefill = attention, block, prefill
+        cpu_attention.available()  # the fused CPU kernel loaded (or the reason it is not said) at start-up, not mid-step
         # the block-wise attention's own accounting: its largest float32 working set so far (bytes)
         self.stats = {"largest_decode_temporary_bytes": 0, "largest_prefill_temporary_bytes": 0}
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here

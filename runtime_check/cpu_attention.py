@@ -108,11 +108,10 @@ def kernel_dir() -> Path:
 
 
 def library_path() -> Path:
-    """The library this source, these flags, this compiler and this CPU build to."""
-    cc = shutil.which(_compiler())
-    if cc is None:
-        raise OSError(f"no C compiler: {_compiler()!r} is not on PATH (set CC)")
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _compiler_version(cc), _cpu_identity(),
+    """The library this source, these flags and this CPU build to. Read at every start-up, so it runs no compiler:
+    which compiler built a library is recorded beside it (.txt), and a changed compiler does not call for a
+    rebuild of a library already built for this CPU (`build(force=True)` makes one anyway)."""
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_identity(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     return kernel_dir() / f"decode_attention-{key}.so"
 
@@ -123,6 +122,10 @@ def build(force: bool = False) -> Path:
     path = library_path()
     if path.exists() and not force:
         return path
+    cc = shutil.which(_compiler())
+    if cc is None:
+        raise OSError(f"no C compiler: {_compiler()!r} is not on PATH (set CC)")
+    version = _compiler_version(cc)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
@@ -132,6 +135,7 @@ def build(force: bool = False) -> Path:
         if out.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-600:]}")
         os.replace(tmp, path)
+        path.with_suffix(".txt").write_text(f"{' '.join(cmd[:-3] + ['-o', path.name, str(SOURCE)])}\n{version}\n")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -248,7 +252,24 @@ def _rows(pair: tuple[torch.Tensor, torch.Tensor] | None) -> _Rows:
                  k.shape[2])
 
 
+_SIDES: dict[tuple, tuple] = {}
+
+
 def _side(p, flags: dict, n_kv: int, keep: list) -> _Side:
+    """The kernel's view of one side's policy (format, bits, scale layout, its static tensors), made once per policy
+    object and kv-head count."""
+    key = (id(p), n_kv)
+    held = _SIDES.get(key)
+    if held is not None and held[0]() is p:
+        keep.append(held[2])
+        return held[1]
+    side, tensors = _make_side(p, flags, n_kv)
+    _SIDES[key] = (weakref.ref(p), side, tensors)
+    keep.append(tensors)
+    return side
+
+
+def _make_side(p, flags: dict, n_kv: int) -> tuple[_Side, list]:
     scale = zero = lut = None
     if flags["SMODE"] == SC_HEAD:
         scale = p.fp8_scale.float().reshape(-1)
@@ -258,9 +279,9 @@ def _side(p, flags: dict, n_kv: int, keep: list) -> _Side:
         scale, zero = p.range.float().contiguous(), p.zero.float().contiguous()
     if flags["FMT"] == FMT_NUQ:
         lut = p.codebook.float().contiguous()
-    keep += [t for t in (scale, zero, lut) if t is not None]
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    return _Side(flags["FMT"], flags["BITS"], flags["SMODE"], flags["GROUP"], 0, ptr(scale), ptr(zero), ptr(lut))
+    side = _Side(flags["FMT"], flags["BITS"], flags["SMODE"], flags["GROUP"], 0, ptr(scale), ptr(zero), ptr(lut))
+    return side, [t for t in (scale, zero, lut) if t is not None]
 
 
 def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None = None,
@@ -308,10 +329,10 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
     q = inp.q.float().contiguous()
     lam = None if inp.smooth is None else inp.smooth.float().contiguous()
     ks_, vs_ = _side(inp.key_policy, kf, h_kv, keep), _side(inp.value_policy, vf, h_kv, keep)
-    ks_.outliers, vs_.outliers = int(k_outl), int(v_outl)
     call = _Call(tab.data_ptr(), len(k_pages), q.data_ptr(), b, h_kv, h_q // h_kv, d, float(inp.scaling),
                  None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
                  0 if rope is None else rope.shape[0], _rows(inp.sink), _rows(inp.recent), ks_, vs_)
+    call.ks.outliers, call.vs.outliers = int(k_outl), int(v_outl)   # the call's copies of the cached structs
     out = torch.empty(b, h_q, d, dtype=torch.float32)
     threads = threads or torch.get_num_threads()
     rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
@@ -350,7 +371,10 @@ def _encoder_consts(p) -> dict | None:
                   "range": f32(p.range) if p.axis == "channel" and p.format == "nuq" else None,
                   "lower": f32(p.lower) if p.outlier_fraction > 0 and p.axis == "channel" else None,
                   "upper": f32(p.upper) if p.outlier_fraction > 0 and p.axis == "channel" else None,
-                  "group": p.group_size if p.is_grouped else 0}
+                  "group": p.group_size if p.is_grouped else 0,
+                  # per-token outlier bounds: the quantiles codec.token_outlier_bounds asks torch for, in float32
+                  "quantiles": tuple(torch.tensor([p.outlier_fraction / 2, 1 - p.outlier_fraction / 2],
+                                                  dtype=torch.float32).tolist())}
     _CONSTS[id(p)] = (weakref.ref(p), consts)
     return consts
 
@@ -386,8 +410,7 @@ def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | Non
         if p.axis == "channel":
             mode, lo, hi = 1, consts["lower"], consts["upper"]
         else:  # per-token bounds over every head: the quantiles codec.token_outlier_bounds takes, in float32
-            q = torch.tensor([p.outlier_fraction / 2, 1 - p.outlier_fraction / 2], dtype=torch.float32)
-            mode, q_lo, q_hi = 3, float(q[0]), float(q[1])
+            mode, (q_lo, q_hi) = 3, consts["quantiles"]
     lam_c = None if lam is None else lam.float().contiguous()
     n_bytes = -(-d * p.bits // 8)
     codes = torch.empty(b, h, n, n_bytes, dtype=torch.uint8)
