@@ -188,21 +188,25 @@ _HALVES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDi
 
 def _rope_table(rotary: torch.nn.Module, end: int) -> torch.Tensor | None:
     """[N >= end, 2, D / 2] float32: cos then sin of the first D / 2 frequencies at positions 0..N-1 (slices of the
-    block-wise reader's shared table, runtime_check.blockwise.rope_at: the model's rotary module's own values), or
+    block-wise reader's shared table, runtime_check.rope_tables.rope_at: the model's rotary module's own values), or
     None when the tables do not repeat their halves (the kernel rotates half by half). Kept per rotary module,
     grown as positions come."""
-    from runtime_check.blockwise import _repeated_halves, rope_at
+    from runtime_check.rope_tables import _ROPE, _repeated_halves, rope_at
 
     cos, sin = rope_at(rotary, 0, end, torch.device("cpu"))
+    dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
+    if not dynamic:  # the whole shared table (grown ahead of the positions asked), made compact once per growth
+        _, cos, sin = _ROPE[rotary]
     key = (cos.data_ptr(), cos.shape[0])
     held = _HALVES.get(rotary)
     if held is not None and held[0] == key:
         return held[1]
-    if not _repeated_halves(cos[: min(end, 64)], sin[: min(end, 64)]) or not _repeated_halves(cos[-1:], sin[-1:]):
+    n = min(cos.shape[0], 64)
+    if not _repeated_halves(cos[:n], sin[:n]) or not _repeated_halves(cos[-1:], sin[-1:]):
         return None
     h = cos.shape[1] // 2
-    table = torch.stack([cos[:, :h], sin[:, :h]], 1).contiguous()   # [end, 2, D / 2]
-    if "dynamic" not in str(getattr(rotary, "rope_type", "")):
+    table = torch.stack([cos[:, :h], sin[:, :h]], 1).contiguous()   # [N, 2, D / 2]
+    if not dynamic:
         _HALVES[rotary] = (key, table)
     return table
 
