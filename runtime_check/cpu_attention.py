@@ -38,6 +38,13 @@ from runtime_check.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11")
+
+
+def flags() -> tuple[str, ...]:
+    """FLAGS, with the target CPU from $KVCALIB_KERNEL_MARCH when set (default native; a test builds the
+    library for a CPU without AVX-512 this way, so the scalar paths are checked on a machine that has it)."""
+    march = os.environ.get("KVCALIB_KERNEL_MARCH")
+    return tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
 ABI = 1
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
@@ -111,7 +118,7 @@ def library_path() -> Path:
     """The library this source, these flags and this CPU build to. Read at every start-up, so it runs no compiler:
     which compiler built a library is recorded beside it (.txt), and a changed compiler does not call for a
     rebuild of a library already built for this CPU (`build(force=True)` makes one anyway)."""
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(FLAGS), _cpu_identity(),
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(flags()), _cpu_identity(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     return kernel_dir() / f"decode_attention-{key}.so"
 
@@ -130,7 +137,7 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [_compiler(), *FLAGS, "-o", tmp, str(SOURCE)]
+        cmd = [_compiler(), *flags(), "-o", tmp, str(SOURCE)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if out.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip()[-600:]}")

@@ -118,11 +118,13 @@ FORMATS = {
 
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("chunk", [3, 16, 512])
-def test_every_stored_format_on_synthetic_rows(name, chunk):
+@pytest.mark.parametrize("d", [16, 64])
+def test_every_stored_format_on_synthetic_rows(name, chunk, d):
     """Formats and widths no recipe of the tiny model stores (3- and 8-bit codes straddling / filling bytes, fp8
     e5m2 and per head, per-channel groups on both sides), 37 rows in pages of 8 from position 1, items of
-    `chunk` rows: the kernel equals the oracle."""
-    inp = _synthetic(FORMATS[name])
+    `chunk` rows: the kernel equals the oracle. head_dim 64: the AVX-512 paths (2- and 4-bit rows unpacked 32 codes
+    at a time through the codebook register, 16-lane dots); 16: the code-by-code unpacking."""
+    inp = _synthetic(FORMATS[name], d=d)
     ref = reference.decode_attention(inp)
     res = compare(cpu_attention.decode_attention(inp, chunk=chunk), ref)
     assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
@@ -286,3 +288,22 @@ def test_the_encoders_token_bounds_are_torch_quantiles(fraction):
             assert torch.equal(got.tensors[key].view(torch.uint8) if got.tensors[key].dtype == torch.float16
                                else got.tensors[key], want.tensors[key].view(torch.uint8)
                                if want.tensors[key].dtype == torch.float16 else want.tensors[key]), (key, h, d)
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 targets only")
+def test_the_library_built_without_avx512_equals_the_oracle(monkeypatch, tmp_path):
+    """The scalar paths (2/4-bit codes code by code, the 8-lane dot) as a CPU without AVX-512 runs them: the library
+    built for x86-64-v3 (AVX2) equals the oracle on the synthetic formats too (this machine's own build takes the
+    AVX-512 paths)."""
+    monkeypatch.setenv("KVCALIB_KERNEL_MARCH", "x86-64-v3")
+    monkeypatch.setenv("KVCALIB_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_LIB", {})
+    monkeypatch.setattr(cpu_attention, "_SIDES", {})
+    assert cpu_attention.status()["available"], cpu_attention.status()
+    assert "-march=x86-64-v3" in (tmp_path / cpu_attention.library_path().with_suffix(".txt").name).read_text()
+    for name, spec in FORMATS.items():
+        for chunk in (3, 512):
+            inp = _synthetic(spec, d=64 if "yarn" in name else 16)
+            res = compare(cpu_attention.decode_attention(inp, chunk=chunk), reference.decode_attention(inp))
+            assert res["ok"] and res["max_rel_err"] < RTOL / 20, (name, chunk, res)
+    monkeypatch.setattr(cpu_attention, "_LIB", {})  # the next test loads this machine's library again
