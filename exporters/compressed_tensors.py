@@ -17,6 +17,12 @@ A vLLM checkpoint folder (docs/vllm.md) is a Hugging Face model folder plus the 
 Scales come from calibration, never defaults: an all-one scale set is refused (the silent-default failure).
 Per-head scales (strategy attn_head) are written only by `kv_scale_tensors` for other consumers; the checkpoint
 refuses them: vLLM 0.32 serves one float per layer on its CPU backend (the max over heads).
+
+The folder has two kinds (`checkpoint_kind`): "fp8", above, which vLLM serves by itself; and "packed", for the
+low-bit recipes the kvcalib vLLM plugin serves (exporters/vllm_slots.py: nuq codes, per-channel pre-RoPE keys,
+sparse outliers, fp16 sink rows). A packed folder is the same folder without `quantization_config` in config.json
+(vLLM would apply it) and without the scales file (nor an index entry naming it): the plugin reads the artifact
+under kvcalib/.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from exporters import vllm_slots
 from exporters.artifact import MANIFEST_FILE, load_folder
 from exporters.checksums import sha256_file
 from exporters.manifest import ChecksumError, ManifestError
@@ -36,6 +43,7 @@ ARTIFACT_DIR = "kvcalib"              # the native artifact inside a checkpoint 
 RECORD_FILE = "checkpoint.json"       # kvcalib/checkpoint.json: every file of the folder with its sha256
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
 SCALE_NAMES = ("k_scale", "v_scale")
+MAX_REFUSALS = 4                    # refusal lines a message names before "..."
 
 
 class CheckpointError(ManifestError):
@@ -74,24 +82,47 @@ def quantization_config(axis: str) -> dict:
                                 "dynamic": False}}
 
 
-def checkpoint_config(config: dict, architecture: str) -> dict:
-    """The model's config.json with the KV-cache quantization_config (per-tensor) and `architectures` set.
-    A source already quantized (its own quantization_config) is refused: merging two schemes is not verified."""
+def _unquantized_config(config: dict, architecture: str, tail: str) -> dict:
+    """The model's config.json with `architectures` set and the save-time fields left out; a source already
+    quantized (its own quantization_config) is refused: merging two schemes is not verified."""
     existing = config.get("quantization_config")
     if existing:
         raise CheckpointError(f"config.json quantization_config: the source model is already quantized "
-                              f"(quant_method {existing.get('quant_method')!r}); the vLLM checkpoint adds the KV-cache "
-                              f"scheme to an unquantized model only")
-    out = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")}
+                              f"(quant_method {existing.get('quant_method')!r}); {tail}")
+    out = {k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version",
+                                                        "quantization_config")}
     out["architectures"] = list(config.get("architectures") or [architecture])
+    return out
+
+
+def checkpoint_config(config: dict, architecture: str) -> dict:
+    """The fp8 kind's config.json: the model's with the KV-cache quantization_config (per-tensor) and
+    `architectures` set. A source already quantized (its own quantization_config) is refused: merging two schemes
+    is not verified."""
+    out = _unquantized_config(config, architecture, "the vLLM checkpoint adds the KV-cache scheme to an "
+                                                    "unquantized model only")
     out["quantization_config"] = quantization_config("tensor")
     return out
+
+
+def packed_config(config: dict, architecture: str) -> dict:
+    """The packed kind's config.json: the model's with `architectures` set and no quantization_config (vLLM would
+    apply one; the kvcalib plugin stores the cache itself). A source already quantized is refused, as for fp8."""
+    return _unquantized_config(config, architecture, "the packed vLLM checkpoint serves an unquantized model only")
 
 
 def tensor_names(path: Path) -> list[str]:
     """The tensor names a safetensors file holds (its header only)."""
     with safe_open(str(path), framework="pt") as f:
         return list(f.keys())
+
+
+def weights_index(weight_map: dict[str, str], total_size: int) -> dict:
+    """The packed kind's model.safetensors.index.json: the weights' weight_map as is. A source shard named like the
+    scales file is refused (a packed folder holds none)."""
+    if SCALES_FILE in set(weight_map.values()):
+        raise CheckpointError(f"model.safetensors.index.json: a source shard is named {SCALES_FILE}")
+    return {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
 
 
 def merged_index(weight_map: dict[str, str], total_size: int, scales: dict[str, torch.Tensor]) -> dict:
@@ -108,10 +139,12 @@ def merged_index(weight_map: dict[str, str], total_size: int, scales: dict[str, 
     return {"metadata": {"total_size": int(total_size) + int(extra)}, "weight_map": dict(sorted(merged.items()))}
 
 
-def scales_of(policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The per-tensor fp8 scales of a policy vLLM can serve as a checkpoint, or CheckpointError naming the field:
-    fp8 e4m3, one scale per tensor, post-RoPE keys, every row quantized (no sink, residual, smoothing or prefix:
-    vLLM's cache has none of them)."""
+def _shortened(refusals: list[str]) -> str:
+    return "; ".join(refusals[:MAX_REFUSALS]) + ("; ..." if len(refusals) > MAX_REFUSALS else "")
+
+
+def fp8_refusals(policy) -> list[str]:
+    """Why vLLM's own fp8 cache cannot serve this policy as an fp8 checkpoint, one line per field (empty: it can)."""
     refusals = []
     for field, got, ok in (("cache/key_rope", policy.key_rope, "post"), ("cache/n_sink", policy.n_sink, 0),
                            ("cache/residual", policy.residual, 0)):
@@ -131,10 +164,32 @@ def scales_of(policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             elif p.axis != "tensor":
                 refusals.append(f"{where}/axis: allowed 'tensor' (vLLM 0.32's CPU attention reads one scale per "
                                 f"layer), got {p.axis!r}")
+    return refusals
+
+
+def scales_of(policy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-tensor fp8 scales of a policy vLLM can serve as a checkpoint, or CheckpointError naming the field:
+    fp8 e4m3, one scale per tensor, post-RoPE keys, every row quantized (no sink, residual, smoothing or prefix:
+    vLLM's cache has none of them)."""
+    refusals = fp8_refusals(policy)
     if refusals:
         raise CheckpointError(f"recipe {policy.name!r} is not servable as a vLLM fp8 checkpoint: "
-                              + "; ".join(refusals[:4]) + ("; ..." if len(refusals) > 4 else ""))
+                              + _shortened(refusals))
     return [k.fp8_scale for k, _ in policy.layers], [v.fp8_scale for _, v in policy.layers]
+
+
+def checkpoint_kind(policy) -> str:
+    """The checkpoint folder a policy is served from: "fp8" when vLLM's own fp8 cache serves it (scales_of), else
+    "packed" when the kvcalib vLLM plugin does (exporters/vllm_slots.py refusals empty), else CheckpointError naming
+    the fields both refuse."""
+    fp8 = fp8_refusals(policy)
+    if not fp8:
+        return "fp8"
+    packed = vllm_slots.refusals(policy)
+    if not packed:
+        return "packed"
+    raise CheckpointError(f"recipe {policy.name!r} is not servable by vLLM: as an fp8 checkpoint: {_shortened(fp8)}; "
+                          f"by the kvcalib vLLM plugin: {_shortened(packed)}")
 
 
 def file_record(directory: Path) -> dict:
@@ -148,10 +203,11 @@ def file_record(directory: Path) -> dict:
 def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True):
     """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.artifact); every
     file of the folder against kvcalib/checkpoint.json (none missing, none changed, none added at the top level);
-    config.json's quantization_config and architectures; the index listing every scale in the scales file; and
-    the scales themselves equal to the artifact's. Raises CheckpointError / ChecksumError naming what differs.
-    hash_files=False: the files are checked present but not re-hashed (the writer, whose record was just hashed
-    from those very files)."""
+    config.json's `architectures`; then per kind (checkpoint_kind of the artifact's policy): fp8: config.json's
+    quantization_config, the index listing every scale in the scales file, and the scales themselves equal to the
+    artifact's; packed: no quantization_config in config.json, no scales file in the folder nor in the index.
+    Raises CheckpointError / ChecksumError naming what differs. hash_files=False: the files are checked present
+    but not re-hashed (the writer, whose record was just hashed from those very files)."""
     directory = Path(directory)
     artifact = load_folder(directory / ARTIFACT_DIR, spec)
     record_path = directory / ARTIFACT_DIR / RECORD_FILE
@@ -167,15 +223,30 @@ def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True)
     added = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in record)
     if added:
         raise CheckpointError(f"files not in {ARTIFACT_DIR}/{RECORD_FILE}: {added} (a serving engine might load them)")
+    kind = checkpoint_kind(artifact.policy)
     config = json.loads((directory / "config.json").read_text())
-    if config.get("quantization_config") != quantization_config("tensor"):
+    if not (directory / INDEX_FILE).is_file():
+        raise CheckpointError(f"{INDEX_FILE}: missing from {str(directory)!r}")
+    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    if kind == "packed":
+        if "quantization_config" in config:
+            raise CheckpointError(f"config.json quantization_config: a packed checkpoint (recipe "
+                                  f"{artifact.policy.name!r}, served by the kvcalib vLLM plugin) has none, got "
+                                  f"{config['quantization_config']} (vLLM would apply it)")
+        named = sorted(name for name, f in weight_map.items() if f == SCALES_FILE)
+        if (directory / SCALES_FILE).exists() or named:
+            raise CheckpointError(f"{SCALES_FILE}: a packed checkpoint holds no fp8 scales, got the file "
+                                  f"{'present' if (directory / SCALES_FILE).exists() else 'absent'} and "
+                                  f"{INDEX_FILE} entries {named[:3]}")
+    elif config.get("quantization_config") != quantization_config("tensor"):
         raise CheckpointError(f"config.json quantization_config: expected {quantization_config('tensor')}, got "
                               f"{config.get('quantization_config')}")
     if not config.get("architectures"):
         raise CheckpointError("config.json architectures: missing (vLLM cannot choose a model class)")
+    if kind == "packed":
+        return artifact
     k_scales, v_scales = scales_of(artifact.policy)
     expected = kv_scale_tensors(k_scales, v_scales)
-    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
     with safe_open(str(directory / SCALES_FILE), framework="pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
     for name, want in expected.items():

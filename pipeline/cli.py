@@ -105,11 +105,13 @@ def _check(args: list[str]) -> int:
 def _export_vllm(args: list[str]) -> int:
     """`export-vllm ARTIFACT OUT [model.<field>=...] [--overwrite]`: the model the artifact names
     (conf/model/<name>.yaml, fields overridable), checked against the artifact's model identity, then
-    pipeline.export.write_vllm_checkpoint. EXIT_USER for a refused artifact, recipe, model or argument."""
+    pipeline.export.write_vllm_checkpoint, and the serve line of the folder's kind (fp8: vLLM's own fp8 cache;
+    packed: the kvcalib vLLM plugin). EXIT_USER for a refused artifact, recipe, model or argument."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from exporters.native import read_manifest
+    from exporters.compressed_tensors import checkpoint_kind
+    from exporters.native import load_artifact, read_manifest
     from pipeline.check import model_config_for
     from pipeline.errors import UserError, user_errors
 
@@ -133,13 +135,20 @@ def _export_vllm(args: list[str]) -> int:
             raise UserError(f"model.name: the artifact was calibrated on {manifest['model']['name']!r}, got {cfg.name!r}")
         lm = load_model(cfg)
         path = write_vllm_checkpoint(out, artifact_dir, lm, source_directory(cfg), overwrite=overwrite)
+        kind = checkpoint_kind(load_artifact(artifact_dir, lm.spec).policy)
     except OmegaConfBaseException as exc:
         print(f"error: invalid model option: {exc}", file=sys.stderr)
         return EXIT_USER
     except user_errors() as exc:
         print(f"error: {artifact_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER
-    print(f"vllm checkpoint: {path.resolve()}\nserve: vllm serve {path.resolve()} --kv-cache-dtype fp8")
+    if kind == "fp8":
+        print(f"vllm checkpoint: {path.resolve()}\nserve: vllm serve {path.resolve()} --kv-cache-dtype fp8")
+    else:
+        print(f"vllm checkpoint (packed, served by the kvcalib vLLM plugin): {path.resolve()}\n"
+              f"serve: vllm serve {path.resolve()} --kv-cache-dtype auto\n"
+              f"requires: the kvcalib vLLM plugin installed in vLLM's environment (`pip install kvcalib` there; "
+              f"scripts/install-vllm.sh does it); --kv-cache-dtype auto: the plugin stores the cache itself")
     return EXIT_OK
 
 

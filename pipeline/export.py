@@ -1,5 +1,6 @@
-"""Artifact export at the end of a run: the native artifact (always) and, for a recipe vLLM serves (fp8 e4m3
-per tensor), a complete vLLM checkpoint folder (exporters/compressed_tensors.py; also `pipeline export-vllm`)."""
+"""Artifact export at the end of a run: the native artifact (always) and, for a recipe vLLM serves by itself (fp8
+e4m3 per tensor), a complete vLLM checkpoint folder (exporters/compressed_tensors.py). `pipeline export-vllm`
+writes that folder too, and the packed kind for a recipe the kvcalib vLLM plugin serves (exporters/vllm_slots.py)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import torch
 import pipeline
 from pipeline import faults
 from exporters import compressed_tensors as ct
+from exporters import vllm_slots
 from exporters.codec import CachePolicy
 from exporters.files import write_synced
 from exporters.manifest import TENSOR_FILE, build_manifest
@@ -69,6 +71,8 @@ def export(run_dir: Path, policy: CachePolicy, spec, provenance: dict, evaluatio
 
 
 def servable(policy: CachePolicy) -> bool:
+    """Whether vLLM serves the policy by itself, as an fp8 checkpoint: what a run writes at its end
+    (pipeline/app.py). A packed checkpoint (the kvcalib vLLM plugin's) is written by `pipeline export-vllm` only."""
     try:
         ct.scales_of(policy)
         return True
@@ -150,17 +154,28 @@ def _saved_weights(lm, tmp: Path, shard_bytes: int = 4 << 30) -> tuple[dict[str,
 
 def write_vllm_checkpoint(directory: Path, artifact_dir: Path, lm, source_dir: Path | None = None,
                           overwrite: bool = False) -> Path:
-    """A folder vLLM serves as is (`LLM(model=DIR, kv_cache_dtype="fp8")`, exporters/compressed_tensors.py): the
-    model's weights (source_dir's safetensors shards linked, or the loaded model saved), tokenizer, config.json
-    with the compressed-tensors KV scheme, the artifact's scales in kv_cache_scales.safetensors listed in the
-    index, and the artifact itself under kvcalib/ with every file's sha256. Built in a temporary sibling, checked
-    whole by verify_checkpoint, then put in place; a refused recipe or model writes nothing."""
+    """A folder vLLM serves as is (exporters/compressed_tensors.py), of the kind the artifact's recipe takes
+    (ct.checkpoint_kind): the model's weights (source_dir's safetensors shards linked, or the loaded model saved),
+    tokenizer, config.json with `architectures`, model.safetensors.index.json, and the artifact itself under
+    kvcalib/ with every file's sha256. fp8 (`LLM(model=DIR, kv_cache_dtype="fp8")`): config.json with the
+    compressed-tensors KV scheme and the artifact's scales in kv_cache_scales.safetensors listed in the index.
+    packed (the kvcalib vLLM plugin, `kv_cache_dtype="auto"`): config.json without quantization_config, no scales
+    file, the index the weights' weight_map as is. Built in a temporary sibling, checked whole by
+    verify_checkpoint, then put in place; a refused recipe or model writes nothing."""
     final = Path(directory)
     if final.exists() and not overwrite:
         raise ct.CheckpointError(f"checkpoint folder {str(final)!r} already exists; pass overwrite=True "
                                  f"(export.overwrite=true, or --overwrite) to replace it")
     artifact = load_artifact(artifact_dir, lm.spec)
-    tensors = ct.kv_scale_tensors(*ct.scales_of(artifact.policy))
+    kind = ct.checkpoint_kind(artifact.policy)
+    if kind == "fp8":
+        tensors = ct.kv_scale_tensors(*ct.scales_of(artifact.policy))
+    else:
+        try:  # the plugin's slot for this model's heads (int16 outlier indices)
+            vllm_slots.layout(artifact.policy, lm.spec.n_kv_heads, lm.spec.head_dim)
+        except ValueError as exc:
+            raise ct.CheckpointError(f"recipe {artifact.policy.name!r} is not servable by the kvcalib vLLM plugin "
+                                     f"on this model: {exc}") from exc
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -173,10 +188,14 @@ def write_vllm_checkpoint(directory: Path, artifact_dir: Path, lm, source_dir: P
             weight_map, total = _saved_weights(lm, tmp)
             config = json.loads((tmp / "config.json").read_text())
         faults.point("export.vllm_weights_written")
-        config = ct.checkpoint_config(config, lm.spec.architecture)
-        index = ct.merged_index(weight_map, total, tensors)
-        from safetensors.torch import save
-        write_synced(tmp / ct.SCALES_FILE, save(tensors, metadata={"format": "pt"}))
+        if kind == "fp8":
+            config = ct.checkpoint_config(config, lm.spec.architecture)
+            index = ct.merged_index(weight_map, total, tensors)
+            from safetensors.torch import save
+            write_synced(tmp / ct.SCALES_FILE, save(tensors, metadata={"format": "pt"}))
+        else:
+            config = ct.packed_config(config, lm.spec.architecture)
+            index = ct.weights_index(weight_map, total)
         write_synced(tmp / ct.INDEX_FILE, json.dumps(index, indent=1).encode())
         write_synced(tmp / "config.json", json.dumps(config, indent=1, default=str).encode())
         (tmp / ct.ARTIFACT_DIR).mkdir()

@@ -295,6 +295,29 @@ def _make_side(p, flags: dict, n_kv: int) -> tuple[_Side, list]:
     return side, [t for t in (scale, zero, lut) if t is not None]
 
 
+def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
+           outliers: tuple[bool, bool], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
+           lam: torch.Tensor | None, chunk: int, threads: int, keep: list) -> torch.Tensor:
+    """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (runtime_check/pages.py's fields), queries
+    q [B, H_q, D], the policies' static tensors, which sides store outliers, the RoPE table [N, 2, D / 2] (pre-RoPE
+    keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32. The one entry to the library's decode, for
+    the serving cache (decode_attention) and the vLLM plugin (runtime_check/vllm_backend.py)."""
+    lib = _LIB["lib"]
+    b, h_q, d = q.shape
+    q = q.float().contiguous()
+    ks_, vs_ = _side(key_policy, side_flags(key_policy), h_kv, keep), _side(value_policy, side_flags(value_policy),
+                                                                             h_kv, keep)
+    call = _Call(table.data_ptr(), n_pages, q.data_ptr(), b, h_kv, h_q // h_kv, d, scaling,
+                 None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
+                 0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
+    call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
+    out = torch.empty(b, h_q, d, dtype=torch.float32)
+    rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"kvcalib_decode returned {rc}")
+    return out
+
+
 def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None = None,
                      stats: dict | None = None) -> torch.Tensor:
     """The new token's attention over every stored row -> [B, H_q, D] float32 (the signature of
@@ -303,7 +326,6 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
     why = refusal(inp)
     if why is not None:
         raise ValueError(why)
-    lib = _LIB["lib"]
     b, h_q, d = inp.q.shape
     h_kv = inp.n_kv_heads
     if h_q % h_kv:
@@ -337,18 +359,11 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
         if rope is None:
             raise ValueError("the rotary module's cos / sin tables do not repeat their halves: the CPU kernel rotates "
                              "half by half; the block-wise torch path reads them")
-    q = inp.q.float().contiguous()
     lam = None if inp.smooth is None else inp.smooth.float().contiguous()
-    ks_, vs_ = _side(inp.key_policy, kf, h_kv, keep), _side(inp.value_policy, vf, h_kv, keep)
-    call = _Call(tab.data_ptr(), len(k_pages), q.data_ptr(), b, h_kv, h_q // h_kv, d, float(inp.scaling),
-                 None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
-                 0 if rope is None else rope.shape[0], _rows(inp.sink), _rows(inp.recent), ks_, vs_)
-    call.ks.outliers, call.vs.outliers = int(k_outl), int(v_outl)   # the call's copies of the cached structs
-    out = torch.empty(b, h_q, d, dtype=torch.float32)
     threads = threads or torch.get_num_threads()
-    rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"kvcalib_decode returned {rc}")
+    out = launch(tab, len(k_pages), inp.q, h_kv, float(inp.scaling), inp.key_policy, inp.value_policy,
+                 (k_outl, v_outl), rope, _rows(inp.sink), _rows(inp.recent), lam, chunk, threads, keep)
+    b, h_q, d = out.shape
     if stats is not None:
         rows = [p.shape[2] for p in k_pages]
         work = temporary_bytes(b, h_kv, h_q // h_kv, d, rows, inp.sink is not None, inp.recent is not None, chunk,
@@ -452,6 +467,36 @@ def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | Non
     if mode:
         out["outlier_count"], out["outlier_index"], out["outlier_value"] = count, index[:m], value[:m]
     return StoredBlock(start, (b, h, n, d), out)
+
+
+def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes: int, scale: int | None,
+                zero: int | None, index: int | None, value: int | None, cap: int, count: torch.Tensor) -> int:
+    """One token's rows x [1, H, 1, D] (float32 or float16, pre-RoPE after `rope`: the inverse rotation at position
+    `start` from a [N, 2, D / 2] table, as encode_rows applies it) encoded by kvcalib_encode straight into the given
+    addresses: packed codes [H, bytes], fp16 scale / zero [H] (per-token formats), at most `cap` outliers (int16
+    index h * D + d, fp16 value) in store's order -- the fields of one slot of exporters/vllm_slots.py. count: an
+    int16 scratch [1]. -> the outliers written, or -1 when they exceed cap (the codes and scales are written
+    anyway; the caller stores the token another way). The policy must be one encode_rows takes."""
+    consts = _encoder_consts(p)
+    _, h, _, d = x.shape
+    mode, q_lo, q_hi, lo, hi = 0, 0.0, 0.0, None, None
+    if p.outlier_fraction > 0:
+        if p.axis == "channel":
+            mode, lo, hi = 1, consts["lower"], consts["upper"]
+        else:
+            mode, (q_lo, q_hi) = 3, consts["quantiles"]
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    enc = _Enc(x.data_ptr(), int(x.dtype == torch.float16), (ctypes.c_int64 * 4)(*x.stride()), 1, h, 1, d, start,
+               ptr(rope), None, FMT_NUQ if p.format == "nuq" else FMT_UNIFORM, p.bits, int(p.axis == "token"), 0,
+               ptr(consts["mids"]), ptr(consts["zero"]), ptr(consts["range"]), mode, q_lo, q_hi, ptr(lo), ptr(hi),
+               codes, scale, zero, count.data_ptr(), index, value, cap, 1)
+    m = _LIB["lib"].kvcalib_encode(ctypes.byref(enc))
+    if m == -3:
+        from exporters.codec import CodecError
+        raise CodecError("non-finite entries in the rows to encode")
+    if m < -1:
+        raise RuntimeError(f"kvcalib_encode returned {m}")
+    return m
 
 
 def main(argv: list[str] | None = None) -> int:

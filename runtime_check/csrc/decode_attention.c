@@ -190,9 +190,11 @@ static inline __attribute__((always_inline)) void decode_row(const Side *sd, con
         const int64_t first = ((const int64_t *)(intptr_t)(f[12] * 8))[r];
         const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
         const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
-        for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row: this head's only */
-            const int64_t e = idx[i];
-            if (e / D == h) out[e % D] = (float)val[i];
+        for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row, ascending (store's order;
+                                           a fixed-capacity list ends in entries beyond every row): this head's only */
+            const int64_t e = idx[i], eh = e / D;
+            if (eh > h) break;
+            if (eh == h) out[e % D] = (float)val[i];
         }
     }
 }

@@ -106,8 +106,11 @@ def test_a_changed_scale_or_an_added_file_is_refused(checkpoint):
 
 
 @pytest.mark.parametrize("recipe,message", [
-    ("kivi-2", r"layers/0/key/format: vLLM's scaled cache is fp8; allowed 'fp8', got 'uniform'"),
-    ("kvquant-3b-1pct", r"cache/key_rope: vLLM's cache allows 'post', got 'pre'"),
+    ("kivi-2", r"as an fp8 checkpoint: cache/residual.*layers/0/key/format: vLLM's scaled cache is fp8; allowed "
+               r"'fp8', got 'uniform'.*by the kvcalib vLLM plugin: cache/residual: .*layers/0/key/axis"),
+    ("kvquant-4b+sink16+recent128", r"recipe 'kvquant-4b\+sink16\+recent128' is not servable by vLLM: as an fp8 "
+                                    r"checkpoint: cache/key_rope: vLLM's cache allows 'post', got 'pre'.*; \.\.\.; "
+                                    r"by the kvcalib vLLM plugin: cache/residual: .*allowed 0, got 128$"),
 ])
 def test_a_recipe_vllm_cannot_serve_is_refused_and_nothing_is_written(tmp_path, make_artifact, tiny, recipe, message):
     art = make_artifact(recipe)
@@ -161,6 +164,117 @@ def test_export_vllm_command(tmp_path, make_artifact):
                           str(tmp_path / "out2")], capture_output=True, text=True, env=env, cwd=ROOT)
     assert bad.returncode == EXIT_USER and "CheckpointError" in bad.stderr and "layers/0/key/format" in bad.stderr
     assert not (tmp_path / "out2").exists()
+    packed = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("kvquant-4b-1pct")),
+                             str(tmp_path / "out3")], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    assert f"vllm serve {(tmp_path / 'out3').resolve()} --kv-cache-dtype auto\n" in packed.stdout
+    assert "kvcalib vLLM plugin installed in vLLM's environment" in packed.stdout and "fp8" not in packed.stdout
+    assert not (tmp_path / "out3" / ct.SCALES_FILE).exists()
+    ct.verify_checkpoint(tmp_path / "out3")
     usage = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(tmp_path / "out")],
                            capture_output=True, text=True, env=env, cwd=ROOT)
     assert usage.returncode == EXIT_USER and "usage: python -m pipeline export-vllm" in usage.stderr
+
+
+# ---- the packed kind: a kvquant recipe the kvcalib vLLM plugin serves -----------------------------------------
+
+PACKED = "kvquant-4b-1pct"
+
+
+@pytest.fixture
+def packed(tmp_path, make_artifact, tiny):
+    art = make_artifact(PACKED)
+    return write_vllm_checkpoint(tmp_path / "packed", art, tiny), art
+
+
+def test_a_kvquant_recipe_is_a_packed_checkpoint(packed, tiny):
+    from exporters import vllm_slots
+
+    ckpt, art = packed
+    policy = load_artifact(art).policy
+    assert ct.checkpoint_kind(policy) == "packed" and vllm_slots.refusals(policy) == []
+    with pytest.raises(ct.CheckpointError, match="not servable as a vLLM fp8 checkpoint"):
+        ct.scales_of(policy)
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", ct.INDEX_FILE, "tokenizer.json", "tokenizer_config.json",
+            ct.ARTIFACT_DIR} <= names
+    assert ct.SCALES_FILE not in names
+    assert {p.name for p in (ckpt / ct.ARTIFACT_DIR).iterdir()} == {"manifest.json", "tensors.safetensors",
+                                                                   ct.RECORD_FILE}
+    assert sha256_file(ckpt / ct.ARTIFACT_DIR / "tensors.safetensors") == sha256_file(art / "tensors.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    index = json.loads((ckpt / ct.INDEX_FILE).read_text())["weight_map"]
+    weights = load_file(str(ckpt / "model.safetensors"))
+    assert index == {n: "model.safetensors" for n in weights}  # the weights' weight_map as is: no scale entry
+    assert set(weights) == set(tiny.model.state_dict()) - {"lm_head.weight"}
+    record = json.loads((ckpt / ct.ARTIFACT_DIR / ct.RECORD_FILE).read_text())["files"]
+    assert ct.SCALES_FILE not in record and "config.json" in record
+    assert ct.verify_checkpoint(ckpt, tiny.spec).manifest["recipe"] == PACKED
+    assert load_artifact(ckpt, tiny.spec).manifest["recipe"] == PACKED  # the strict loader takes the folder too
+
+
+def test_transformers_loads_the_packed_folder_as_is(packed, tiny):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, _ = packed
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()  # no config edit needed
+    ids = torch.tensor([[1, 50, 700, 3000, 12]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, tiny.model(ids).logits)
+
+
+def test_a_packed_folder_with_a_quantization_config_is_refused(packed):
+    ckpt, _ = packed
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = ct.quantization_config("tensor")
+    path.write_text(json.dumps(config))
+    with pytest.raises(ChecksumError, match="config.json: sha256 differs"):
+        ct.verify_checkpoint(ckpt)
+    resign(ckpt)
+    with pytest.raises(ct.CheckpointError, match=r"config.json quantization_config: a packed checkpoint \(recipe "
+                                                  r"'kvquant-4b-1pct'.*has none.*vLLM would apply it"):
+        ct.verify_checkpoint(ckpt)
+
+
+def test_a_packed_folder_with_fp8_scales_is_refused(packed):
+    from safetensors.torch import save_file
+
+    ckpt, _ = packed
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5)}, str(ckpt / ct.SCALES_FILE))
+    resign(ckpt)
+    with pytest.raises(ct.CheckpointError, match=r"kv_cache_scales.safetensors: a packed checkpoint holds no fp8 "
+                                                  r"scales, got the file present"):
+        ct.verify_checkpoint(ckpt)
+    (ckpt / ct.SCALES_FILE).unlink()
+    path = ckpt / ct.INDEX_FILE
+    index = json.loads(path.read_text())
+    index["weight_map"]["model.layers.0.self_attn.k_scale"] = ct.SCALES_FILE
+    path.write_text(json.dumps(index))
+    resign(ckpt)
+    with pytest.raises(ct.CheckpointError, match=r"got the file absent and model.safetensors.index.json entries "
+                                                  r"\['model.layers.0.self_attn.k_scale'\]"):
+        ct.verify_checkpoint(ckpt)
+
+
+def test_the_run_still_writes_fp8_checkpoints_only(make_artifact):
+    from pipeline.export import servable
+
+    assert servable(load_artifact(make_artifact("fp8-e4m3")).policy)
+    assert not servable(load_artifact(make_artifact(PACKED)).policy)  # export-vllm writes it, a run does not
+
+
+def test_the_packed_config_and_index_carry_no_scheme_and_refuse_a_quantized_source():
+    out = ct.packed_config({"model_type": "llama", "_name_or_path": "/x", "quantization_config": None},
+                           "LlamaForCausalLM")
+    assert out == {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ct.CheckpointError, match=r"config.json quantization_config: the source model is already "
+                                                  r"quantized \(quant_method 'gptq'\); the packed vLLM checkpoint"):
+        ct.packed_config({"quantization_config": {"quant_method": "gptq"}}, "LlamaForCausalLM")
+    index = ct.weights_index({"b.weight": "model-2.safetensors", "a.weight": "model-1.safetensors"}, 1000)
+    assert index == {"metadata": {"total_size": 1000},
+                     "weight_map": {"a.weight": "model-1.safetensors", "b.weight": "model-2.safetensors"}}
+    with pytest.raises(ct.CheckpointError, match="a source shard is named kv_cache_scales.safetensors"):
+        ct.weights_index({"a.weight": ct.SCALES_FILE}, 4)

@@ -1,0 +1,187 @@
+"""The kvcalib vLLM plugin's packed slot (exporters/vllm_slots.py): a side's stored rows (exporters/layout.py store)
+packed into fixed-size per-token slots and read back decode exactly as the codec's rows; the per-token outlier
+capacity holds and is tight; static-bound overflow is counted and left clamped; what the slot cannot hold is
+refused by field; every 2-byte field is aligned."""
+import pytest
+import torch
+
+from exporters import vllm_slots as vs
+from exporters.codec import CachePolicy, Encoded, TensorPolicy, decode, encode
+from exporters.layout import store
+
+H, D, N = 3, 16, 7
+
+
+def codebook(bits: int, seed: int = 0) -> torch.Tensor:
+    """2^bits sorted levels in [-1, 1], the ends included (a clamped entry decodes to its bound)."""
+    g = torch.Generator().manual_seed(seed)
+    inner = torch.sort(torch.rand(2 ** bits - 2, generator=g) * 1.9 - 0.95).values
+    return torch.cat([torch.tensor([-1.0]), inner, torch.tensor([1.0])])
+
+
+def key_policy(bits: int = 4, fraction: float = 0.1, h: int = H, d: int = D) -> TensorPolicy:
+    """nuq per channel with static bounds: zero / range span [lower, upper] exactly."""
+    g = torch.Generator().manual_seed(1)
+    upper = 1.645 * (0.5 + torch.rand(h, d, generator=g))
+    lower = -1.645 * (0.5 + torch.rand(h, d, generator=g))
+    bounds = {"lower": lower, "upper": upper} if fraction else {}
+    return TensorPolicy(format="nuq", bits=bits, axis="channel", outlier_fraction=fraction, codebook=codebook(bits),
+                        zero=(upper + lower) / 2, range=(upper - lower) / 2, **bounds)
+
+
+def value_policy(bits: int = 4, fraction: float = 0.1, fmt: str = "nuq") -> TensorPolicy:
+    return TensorPolicy(format=fmt, bits=bits, axis="token", outlier_fraction=fraction,
+                        codebook=codebook(bits, 2) if fmt == "nuq" else None)
+
+
+def kvquant_like(k: TensorPolicy | None = None, v: TensorPolicy | None = None, **cache) -> CachePolicy:
+    return CachePolicy("kvquant-like", [(k or key_policy(), v or value_policy())] * 2, key_rope="pre", n_sink=1,
+                       **cache)
+
+
+def round_trip(x: torch.Tensor, p: TensorPolicy, s: vs.SideSlot, slots: torch.Tensor):
+    """x [1, H, n, D] -> (overflow, the slots' decode, the codec's own decode, the codec's Encoded)."""
+    e = encode(x, p)
+    overflow = vs.pack_side(store(e, p, 0).tensors, s, x.shape[2], x.shape[1], slots)
+    return overflow, decode(vs.unpack_side(slots, s, p, x.shape[1], x.shape[3]), p), decode(e, p), e
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("vfmt", ["nuq", "uniform"])
+def test_slots_decode_exactly_as_the_codec(bits, vfmt):
+    k, v = key_policy(bits), value_policy(bits, fmt=vfmt)
+    lay = vs.layout(kvquant_like(k, v), H, D)
+    g = torch.Generator().manual_seed(bits)
+    key_outliers = 0
+    for _ in range(20):
+        xk, xv = torch.randn(1, H, N, D, generator=g), torch.randn(1, H, N, D, generator=g) * 3
+        slots = torch.zeros(N, lay.slot_bytes, dtype=torch.uint8)  # both sides in the same slots
+        ok, got_k, want_k, ek = round_trip(xk, k, lay.key, slots)
+        ov, got_v, want_v, ev = round_trip(xv, v, lay.value, slots)
+        assert ok == 0 and ov == 0
+        assert ev.n_outliers > 0  # the value side's outliers pass through the slot
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+        # the key side again, read after the value side was written: the fields do not overlap
+        assert torch.equal(decode(vs.unpack_side(slots, lay.key, k, H, D), k), want_k)
+        key_outliers += ek.n_outliers
+    assert key_outliers > 0
+
+
+def test_the_key_outliers_pass_through_the_slot():
+    k = key_policy()
+    lay = vs.layout(kvquant_like(k), H, D)
+    x = torch.randn(1, H, N, D, generator=torch.Generator().manual_seed(5))
+    x[0, 1, 3, 4] = 50.0
+    x[0, 2, 6, 15] = -40.0
+    overflow, got, want, e = round_trip(x, k, lay.key, torch.zeros(N, lay.slot_bytes, dtype=torch.uint8))
+    assert overflow == 0 and e.n_outliers >= 2 and torch.equal(got, want)
+    assert got[0, 1, 3, 4] == 50.0 and got[0, 2, 6, 15] == -40.0
+
+
+def test_the_per_token_capacity_is_never_exceeded_and_is_tight():
+    v = value_policy()
+    lay = vs.layout(kvquant_like(v=v), H, D)
+    assert lay.value.cap == 6  # 2 * (floor(0.05 * 47) + 1)
+    g = torch.Generator().manual_seed(0)
+    most = 0
+    shapes = (lambda: torch.randn(1, H, N, D, generator=g),
+              lambda: torch.randn(1, H, N, D, generator=g) ** 3,                       # heavy tails
+              lambda: (torch.randn(1, H, N, D, generator=g) * 2).round() / 2,          # many ties
+              lambda: torch.randint(0, 3, (1, H, N, D), generator=g).float(),          # few distinct values
+              lambda: torch.full((1, H, N, D), 0.75))                                  # constant rows
+    for i in range(300):
+        x = shapes[i % len(shapes)]()
+        slots = torch.zeros(N, lay.slot_bytes, dtype=torch.uint8)
+        overflow, got, want, e = round_trip(x, v, lay.value, slots)
+        assert overflow == 0, f"shape {i % len(shapes)}"
+        assert torch.equal(got, want)
+        counts = torch.bincount(e.outlier_index[:, 2], minlength=N) if e.n_outliers else torch.zeros(N)
+        most = max(most, int(counts.max()))
+    assert most == lay.value.cap
+
+
+def test_the_per_token_capacity_counts_each_tail_as_torch_ranks_it():
+    """f = 0.088 over 3 x 1417 entries: torch.quantile's float32 ranks are 187.0 and 4062.9998, so 187 entries fall
+    below the lower bound and 188 above the upper one: 375, one more than 2 * (floor(0.044 * 4250) + 1)."""
+    v = value_policy(fraction=0.088)
+    lay = vs.layout(kvquant_like(v=v), 3, 1417)
+    assert lay.value.cap == 375
+    x = torch.randn(1, 3, 4, 1417, generator=torch.Generator().manual_seed(3))
+    overflow, got, want, e = round_trip(x, v, lay.value, torch.zeros(4, lay.slot_bytes, dtype=torch.uint8))
+    assert overflow == 0 and torch.equal(got, want)
+    assert torch.bincount(e.outlier_index[:, 2], minlength=4).tolist() == [375] * 4
+
+
+def test_static_bound_overflow_is_counted_and_left_clamped():
+    import math
+
+    k = key_policy(fraction=0.01)
+    lay = vs.layout(kvquant_like(k), H, D)
+    cap = lay.key.cap
+    assert cap == max(2, math.ceil(vs.CHANNEL_SLACK * 0.01 * H * D)) and cap < H * D
+    x = torch.zeros(1, H, N, D)
+    # token 2: every entry beyond its bound, alternately above and below (H * D outliers, over the capacity)
+    sign = torch.tensor([1.0, -1.0]).repeat(H * D // 2).view(H, D)
+    x[0, :, 2] = sign * 10 + torch.arange(H * D).view(H, D) / 100
+    x[0, 1, 5, :2] = 9.0  # token 5: two outliers, within any capacity
+    slots = torch.zeros(N, lay.slot_bytes, dtype=torch.uint8)
+    overflow, got, want, e = round_trip(x, k, lay.key, slots)
+    assert overflow == H * D - cap
+    entries = (torch.arange(H * D) // D, torch.arange(H * D) % D)
+    kept, dropped = (entries[0][:cap], entries[1][:cap]), (entries[0][cap:], entries[1][cap:])  # store's order
+    row_got, row_x = got[0, :, 2], x[0, :, 2]
+    assert torch.equal(row_got[kept], row_x[kept].half().float())  # kept exactly, as fp16
+    dense = decode(Encoded(e.shape, codes=e.codes), k)[0, :, 2]     # the codes alone: the clamped entry coded
+    assert torch.equal(row_got[dropped], dense[dropped])
+    clamped = torch.minimum(torch.maximum(row_x, k.lower), k.upper)
+    assert torch.allclose(row_got[dropped], clamped[dropped], atol=1e-6)
+    assert not torch.allclose(row_got[dropped], row_x[dropped])
+    others = torch.tensor([t for t in range(N) if t != 2])
+    assert torch.equal(got[0, :, others], want[0, :, others])  # every other token as the codec decodes it
+
+
+def test_refusals_name_the_field():
+    assert vs.refusals(kvquant_like()) == []
+    residual = vs.refusals(kvquant_like(residual=128))
+    assert len(residual) == 1 and residual[0].startswith("cache/residual:") and "got 128" in residual[0]
+    for fmt, extra in (("fp16", {}), ("fp8", {"fp8_scale": torch.tensor(0.1)})):
+        p = TensorPolicy(format=fmt, bits=16 if fmt == "fp16" else 8, **extra)
+        lines = vs.refusals(kvquant_like(k=p))
+        assert lines and lines[0].startswith(f"layers/0/key/format: allowed ('nuq', 'uniform'), got '{fmt}'")
+        assert not any(line.startswith("layers/0/value") for line in lines)
+    kivi = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=32)
+    lines = vs.refusals(kvquant_like(k=kivi))
+    assert len(lines) == 2 and lines[0].startswith("layers/0/key/axis:")  # one per layer
+    assert "'channel' with format 'uniform'" in lines[0]
+    mixed = CachePolicy("mixed", [(key_policy(), value_policy(4)), (key_policy(), value_policy(2))], key_rope="pre")
+    assert [line.split(":")[0] for line in vs.refusals(mixed)] == ["layers/*/value"]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("h,d", [(1, 13), (3, 13), (3, 16), (3, 64)])
+@pytest.mark.parametrize("kf,vf", [(0.0, 0.0), (0.01, 0.0), (0.0, 0.01), (0.1, 0.1)])
+def test_layout_aligns_every_two_byte_field(bits, h, d, kf, vf):
+    k, v = key_policy(bits, kf, h, d), value_policy(bits, vf)
+    lay = vs.layout(kvquant_like(k, v), h, d)
+    assert lay.slot_bytes % 2 == 0
+    spans = []
+    for s in (lay.key, lay.value):
+        spans.append((s.codes, s.codes + h * s.code_bytes))
+        assert s.code_bytes == -(-d * bits // 8)
+        for name, width in (("scale", 2 * h), ("zero", 2 * h), ("index", 2 * s.cap), ("value", 2 * s.cap)):
+            at = getattr(s, name)
+            if at is not None:
+                assert at % 2 == 0, name
+                spans.append((at, at + width))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= lay.slot_bytes
+    assert (lay.key.scale is None) and (lay.value.scale is not None)
+    assert (lay.key.cap > 0) == (kf > 0) and (lay.value.cap > 0) == (vf > 0)
+
+
+def test_the_smollm2_slot_of_kvquant_4b_1pct():
+    """The slot docs/vllm.md states: kvquant-4b-1pct (keys nuq4 per channel, values nuq4 per token, 1% outliers,
+    one sink row) on SmolLM2-135M (3 kv heads, head_dim 64)."""
+    lay = vs.layout(kvquant_like(key_policy(4, 0.01, 3, 64), value_policy(4, 0.01)), 3, 64)
+    assert (lay.key.cap, lay.value.cap) == (8, 2)  # ceil(CHANNEL_SLACK 4 * 0.01 * 192); 2 * (floor(0.005 * 191) + 1)
+    assert lay.slot_bytes == 244 and lay.sink_bytes == 768 and lay.page_bytes(16) == 16 * 244 + 768

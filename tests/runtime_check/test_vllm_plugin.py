@@ -1,0 +1,182 @@
+"""The kvcalib vLLM plugin (runtime_check/vllm_plugin.py, runtime_check/vllm_backend.py) in real vLLM (the CPU build in
+.venv-vllm, scripts/install-vllm.sh, which installs the plugin): a packed checkpoint of a tiny random Llama is served
+from its slots -- the slots and both attention paths equal the codec's rows, vLLM reports the capacity the page
+predicts, the plugin holds every layer's tensors of the artifact, a plain model is served exactly as without the
+plugin -- and a damaged artifact or an unservable setting is refused at load, naming it. Skipped, with the reason,
+where the vLLM environment does not exist."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.vllm_runs import DEFAULT_VLLM_PYTHON
+from exporters import compressed_tensors as ct
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not Path(DEFAULT_VLLM_PYTHON).is_file(),
+                                reason=f"no vLLM environment at {DEFAULT_VLLM_PYTHON} (bash scripts/install-vllm.sh)")
+KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A tiny random Llama whose head_dim (32) vLLM's CPU attention takes, a kvquant-4b-1pct artifact calibrated
+    on its own keys and values (codebooks, channel ranges and outlier bounds per layer), and its packed checkpoint."""
+    from transformers import DynamicCache
+
+    from exporters.manifest import build_manifest
+    from exporters.native import write_artifact
+    from exporters.rope import invert_rope, rotary_tables
+    from pipeline.config import ModelConfig, TinyModelConfig, load_recipe
+    from pipeline.export import write_vllm_checkpoint
+    from pipeline.model import load_model
+    from stages import recipe as recipe_stage
+
+    lm = load_model(ModelConfig(name="tiny", source="tiny", tiny=TinyModelConfig(hidden_size=128, n_q_heads=4)))
+    spec = lm.spec
+    assert spec.head_dim == 32
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 20000, (2, 96), generator=g)
+    cache = DynamicCache(config=lm.model.config)
+    with torch.no_grad():
+        lm.model(ids, past_key_values=cache, use_cache=True)
+    rotary = lm.model.model.rotary_emb
+    cos, sin = rotary_tables(rotary, 0, ids.shape[1])
+    k = torch.stack([invert_rope(layer.keys.float(), cos, sin) for layer in cache.layers])   # [L, B, H, T, D] pre
+    flat = k.transpose(1, 2).reshape(spec.n_layers, spec.n_kv_heads, -1, spec.head_dim)
+    lo, hi = flat.quantile(0.005, dim=2), flat.quantile(0.995, dim=2)
+    calib = {"zero": (hi + lo) / 2, "range": (hi - lo) / 2, "lower": lo, "upper": hi,
+             "k_absmax": k.abs().amax((1, 3)), "v_absmax": torch.stack([x.values for x in cache.layers]).abs().amax((1, 3))}
+    for bits in (2, 3, 4):
+        levels = torch.sort(torch.rand(spec.n_layers, 2 ** bits - 2, generator=g) * 1.9 - 0.95).values
+        edges = torch.ones(spec.n_layers, 1)
+        calib[f"k_codebook_{bits}"] = torch.cat([-edges, levels, edges], 1)
+        calib[f"v_codebook_{bits}"] = calib[f"k_codebook_{bits}"].flip(1).neg().contiguous() * 0.99
+    policy = recipe_stage.build_policy(load_recipe("kvquant-4b-1pct"), spec.n_layers, calib)
+    tmp = tmp_path_factory.mktemp("vllm-plugin")
+    manifest, tensors = build_manifest(policy, spec, {"data": {}}, {})
+    art = write_artifact(tmp / "artifact", manifest, tensors)
+    ckpt = write_vllm_checkpoint(tmp / "ckpt", art, lm)
+    assert ct.checkpoint_kind(policy) == "packed"
+    return ckpt, tmp, policy, ids[0].tolist()
+
+
+def vllm_worker(folder: Path, job: dict, out: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    job_path = out.with_suffix(".job.json")
+    job_path.write_text(json.dumps(job))
+    return subprocess.run([DEFAULT_VLLM_PYTHON, "-m", "bench.vllm_worker", "--checkpoint", str(folder), "--job",
+                           str(job_path), "--out", str(out)], capture_output=True, text=True, cwd=str(ROOT),
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=900)
+
+
+def run_job(name: str, prompt: list[int], kv: str = "auto") -> dict:
+    return {"runs": [{"name": name, "kv_cache_dtype": kv, "dtype": "float32", "kv_cache_memory_bytes": KV_BYTES}],
+            "windows": [prompt], "prompts": [prompt[:40]], "max_new_tokens": 8, "scales_only": False}
+
+
+def test_the_slots_and_both_attention_paths_equal_the_codec(packed):
+    ckpt, tmp, _, _ = packed
+    out = tmp / "probe.json"
+    proc = subprocess.run([DEFAULT_VLLM_PYTHON, str(Path(__file__).with_name("vllm_probe.py")), str(ckpt), str(out)],
+                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["overflow"] == {}
+    names = [c["name"] for c in res["checks"]]
+    assert any(n.startswith("kernel attention over 70") for n in names), names
+    for c in res["checks"]:
+        assert c["max_abs"] <= 1e-5 * max(1.0, c["scale"]), c
+
+
+def test_vllm_serves_the_packed_cache_from_its_slots(packed):
+    """vLLM with the plugin: every layer bound to its own tensors of the artifact, the capacity the page predicts at
+    the same memory as `auto`, its single-token steps through the fused kernel and its prompt through the rows path,
+    and a perplexity close to `auto`'s (a 4-bit cache of a random model) -- while `auto` on the same weights without
+    the artifact is vLLM's own attention, equal with the plugin installed or not."""
+    from bench.vllm_packed import check_held
+    from bench.vllm_runs import reference_view
+    from exporters import vllm_slots
+
+    ckpt, tmp, policy, prompt = packed
+    res = {}
+    view = reference_view(ckpt, tmp / "view")
+    for name, folder, env in (("packed", ckpt, {}), ("auto", view, {}), ("auto-off", view, {"KVCALIB_VLLM_PLUGIN": "0"})):
+        out = tmp / f"{name}.json"
+        proc = vllm_worker(folder, run_job(name, prompt), out, env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        res[name] = json.loads(out.read_text())["runs"][0]
+    p, a = res["packed"], res["auto"]
+    assert check_held(p["held"], policy) == []
+    assert all(not h["packed"] for h in a["held"])
+    stats = p["plugin_stats"]
+    assert stats["kernel_calls"] >= 7 * len(policy.layers) and stats["rows_calls"] >= 2 * len(policy.layers)
+    # capacity: vLLM's blocks at the same memory, in the ratio of the pages' bytes (auto: float32 K and V)
+    lay = vllm_slots.layout(policy, 2, 32)
+    bs = p["block_size"]
+    auto_page = bs * 2 * 2 * 32 * 4
+    predicted = auto_page / lay.page_bytes(bs)
+    assert p["capacity_tokens"] / a["capacity_tokens"] == pytest.approx(predicted, rel=0.02)
+    assert predicted > 4
+    # the plain model: the plugin changes nothing
+    assert a["window_nll"] == res["auto-off"]["window_nll"] and a["greedy"] == res["auto-off"]["greedy"]
+    n = len(prompt) - 1
+    assert abs(p["window_nll"][0] - a["window_nll"][0]) / n < 0.1, (p["window_nll"], a["window_nll"])
+
+
+def test_prefix_caching_serves_the_same_tokens(packed):
+    """A slot depends only on its own token's rows and position: a prompt whose full blocks come from vLLM's prefix
+    cache the second time continues exactly as when it was computed (blocks of 128 rows: a 300-token prompt)."""
+    ckpt, tmp, _, _ = packed
+    prompt = torch.randint(100, 20000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    job = run_job("prefix", prompt) | {"windows": [], "prompts": [prompt], "prefix_caching": True}
+    proc = vllm_worker(ckpt, job, tmp / "prefix.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((tmp / "prefix.json").read_text())["runs"][0]
+    assert len(run["greedy"][0]) == 8 and run["greedy_again"] == run["greedy"]
+    # rows the plugin wrote (2 layers): 299 + 7 per layer for the first request (the sink row apart, 7 decode
+    # steps); the second wrote at least one block of 128 fewer than that, or nothing came from the prefix cache
+    assert run["plugin_stats"]["rows_written"] <= 2 * (306 + 306 - 128), run["plugin_stats"]
+
+
+def test_a_damaged_artifact_is_refused_at_load_naming_the_file(packed):
+    import shutil
+
+    ckpt, tmp, _, prompt = packed
+    bad = tmp / "damaged"
+    shutil.copytree(ckpt, bad)
+    tensors = bad / ct.ARTIFACT_DIR / "tensors.safetensors"
+    raw = bytearray(tensors.read_bytes())
+    raw[-5] ^= 0x40
+    tensors.write_bytes(bytes(raw))
+    proc = vllm_worker(bad, run_job("damaged", prompt), tmp / "damaged.json")
+    assert proc.returncode != 0
+    assert ("the checkpoint does not verify: ChecksumError: tensors.safetensors sha256 does not match the manifest"
+            in proc.stdout + proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_mismatched_model_or_setting_is_refused_naming_it(packed):
+    import shutil
+
+    ckpt, tmp, _, prompt = packed
+    proc = vllm_worker(ckpt, run_job("fp8", prompt, kv="fp8"), tmp / "fp8.json")
+    assert proc.returncode != 0
+    assert "kv_cache_dtype: the plugin stores the artifact's own packed cache; allowed 'auto', got 'fp8'" in (
+        proc.stdout + proc.stderr)
+    other = tmp / "one-layer"
+    shutil.copytree(ckpt, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (other / "config.json").write_text(json.dumps(config))
+    (other / ct.ARTIFACT_DIR / ct.RECORD_FILE).write_text(json.dumps(ct.file_record(other)))   # re-signed
+    proc = vllm_worker(other, run_job("one-layer", prompt), tmp / "one-layer.json")
+    assert proc.returncode != 0
+    assert "model.n_layers: the artifact was calibrated for 2, vLLM's model has 1" in proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

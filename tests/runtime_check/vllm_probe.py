@@ -1,0 +1,111 @@
+"""Run inside vLLM's environment by tests/runtime_check/test_vllm_plugin.py (`.venv-vllm/bin/python
+tests/runtime_check/vllm_probe.py CHECKPOINT OUT`, the repository on PYTHONPATH): the plugin's write and both of its attention paths on one layer's
+slots, against the codec as the oracle, with no engine around them.
+
+Rows of known K (post-RoPE, as vLLM hands them over) and V at scattered positions of three blocks are written by
+KvcalibCPUImpl._write into a page buffer laid out as vLLM lays out the packed spec (slots, then the sink rows);
+then:
+- every slot read back (exporters/vllm_slots.py unpack_side) equals the codec's encoding of the same rows
+  (exporters.codec.encode of the pre-RoPE keys, rotated back with the manifest's RoPE) value for value after decode,
+  and the sink rows equal the rows in fp16;
+- the fused kernel's attention of one new token (_decode_one) and the decoded-rows path (_attend_rows) both equal the
+  reference attention over the codec's rows (sink rows in fp16, RoPE re-applied), for a sequence of 1, n_sink and
+  several hundred rows.
+Writes {"checks": [{name, max_abs, scale}]} to OUT."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(folder: str, out: str) -> None:
+    import runtime_check.vllm_backend as vb
+    from exporters import vllm_slots
+    from exporters.codec import decode, encode
+    from exporters.compressed_tensors import verify_checkpoint
+    from exporters.rope import apply_rope, invert_rope, rope_cos_sin
+
+    art = verify_checkpoint(folder)
+    pol, m = art.policy, art.manifest["model"]
+    h, d, hq = m["n_kv_heads"], m["head_dim"], m["n_q_heads"]
+    lay = vllm_slots.layout(pol, h, d)
+    cos, sin = rope_cos_sin(torch.arange(2048), d, m["rope"]["theta"], m["rope"].get("scaling"))
+    served = vb.Served(folder, art.manifest, pol, lay, cos, sin,
+                       torch.stack([cos[:, :d // 2], sin[:, :d // 2]], 1).contiguous())
+    impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
+    impl.served, impl.scale, impl._consts, impl._count = served, d ** -0.5, {}, None
+    layer_i = len(pol.layers) - 1
+    impl._layer = vb._Layer(layer_i, *pol.layers[layer_i])
+    bs, nb = 32, 12
+    page = lay.page_bytes(bs)
+    raw = torch.zeros(nb * page + 64, dtype=torch.uint8)
+    kv = torch.as_strided(raw, (nb, 1, bs, lay.slot_bytes), (page, bs * lay.slot_bytes, lay.slot_bytes, 1), 64)
+    g = torch.Generator().manual_seed(0)
+    t = 70
+    pk, pv = pol.layers[layer_i]
+    # pre-RoPE keys inside the calibrated channel bounds, and two entries per token beyond them (within the slot's
+    # capacity: the overflow is tests/exporters/test_vllm_slots.py's), rotated to post-RoPE as vLLM hands them over
+    k_pre = pk.zero.float() + pk.range.float() * (torch.rand(t, h, d, generator=g) * 1.8 - 0.9)
+    for i in range(t):
+        for j in torch.randperm(h * d, generator=g)[:2].tolist():
+            hi, di = divmod(j, d)
+            k_pre[i, hi, di] = pk.upper[hi, di].float() + pk.range[hi, di].float() * (0.5 + float(torch.rand(1, generator=g)))
+    k_post = apply_rope(k_pre.permute(1, 0, 2)[None], cos[:t], sin[:t])[0].permute(1, 0, 2).contiguous()
+    v = torch.randn(t, h, d, generator=g)
+    v[:, 0, 3] *= 8                                          # a heavy value channel: per-token outliers
+    blocks = torch.tensor([7, 2, 9])                         # scattered, as vLLM hands blocks out
+    pos = torch.arange(t)
+    slots = blocks[pos // bs] * bs + pos % bs
+    # written in two steps (a prefill chunk, then the rest one by one), as vLLM writes them
+    for a, b in [(0, 40)] + [(i, i + 1) for i in range(40, t)]:
+        md = vb.PackedMetadata(b - a, [0, b - a], [b], blocks[None], slots[a:b], pos[a:b])
+        impl._write(impl._layer, k_post[a:b], v[a:b], md, kv)
+    checks = []
+    s0 = lay.n_sink
+    # the oracle: the codec's rows
+    k_pre = invert_rope(k_post[s0:].permute(1, 0, 2)[None], cos[s0:t], sin[s0:t])
+    k_ref = apply_rope(decode(encode(k_pre, pk), pk), cos[s0:t], sin[s0:t])           # [1, H, t - s0, D]
+    v_ref = decode(encode(v[s0:].permute(1, 0, 2)[None].float(), pv), pv)
+    sink_k = k_post[:s0].to(torch.float16).float().permute(1, 0, 2)[None]
+    sink_v = v[:s0].to(torch.float16).float().permute(1, 0, 2)[None]
+    k_all, v_all = torch.cat([sink_k, k_ref], 2), torch.cat([sink_v, v_ref], 2)
+    stored = kv[blocks, 0].reshape(-1, lay.slot_bytes)[s0:t]
+    k_got = apply_rope(decode(vllm_slots.unpack_side(stored, lay.key, pk, h, d), pk), cos[s0:t], sin[s0:t])
+    v_got = decode(vllm_slots.unpack_side(stored, lay.value, pv, h, d), pv)
+    checks.append({"name": "slots decode as the codec's keys", "max_abs": float((k_got - k_ref).abs().max()),
+                   "scale": float(k_ref.abs().max())})
+    checks.append({"name": "slots decode as the codec's values", "max_abs": float((v_got - v_ref).abs().max()),
+                   "scale": float(v_ref.abs().max())})
+    sink = impl._sink_view(kv)[blocks[0], :s0].float()
+    checks.append({"name": "sink rows", "max_abs": float((sink[:, 0] - k_post[:s0].half().float()).abs().max()
+                                                         + (sink[:, 1] - v[:s0].half().float()).abs().max()),
+                   "scale": 1.0})
+    for n in sorted({1, max(1, s0), 33, t}):
+        q = torch.randn(1, hq, d, generator=g)
+        kk, vv = k_all[:, :, :n], v_all[:, :, :n]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None].double(), kk.double(), vv.double(),
+                                                               scale=d ** -0.5, enable_gqa=True)[:, :, 0].float()
+        got_kernel = impl._decode_one(impl._layer, q, blocks, n, kv)
+        got_rows = impl._attend_rows(impl._layer, q, blocks, n, kv)
+        for name, got in (("kernel", got_kernel), ("rows", got_rows)):
+            checks.append({"name": f"{name} attention over {n} rows", "max_abs": float((got - ref[0]).abs().max()),
+                           "scale": float(ref.abs().max())})
+    # a prefill chunk of 20 queries at the end: the rows path, causal within the chunk
+    q = torch.randn(20, hq, d, generator=g)
+    got = impl._attend_rows(impl._layer, q, blocks, t, kv)
+    worst = 0.0
+    for j in range(20):
+        n = t - 20 + j + 1
+        ref = torch.nn.functional.scaled_dot_product_attention(q[j][None, :, None].double(), k_all[:, :, :n].double(),
+                                                               v_all[:, :, :n].double(), scale=d ** -0.5,
+                                                               enable_gqa=True)[0, :, 0].float()
+        worst = max(worst, float((got[j] - ref).abs().max()))
+    checks.append({"name": "rows attention of a causal chunk", "max_abs": worst, "scale": 1.0})
+    with open(out, "w") as f:
+        json.dump({"checks": checks, "overflow": vb.STATS["overflow"], "slot_bytes": lay.slot_bytes}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
