@@ -16,7 +16,7 @@ Parts, in this order, each in its own try (a failure is recorded and the next pa
                          and 8: time per step, ratio, bytes read (bench/kernel.py)
   pipeline:llama3-shape  the same pipeline on model=llama3-shape (Llama-3-8B's shapes, 4 layers, random weights)
   check:llama3-shape     the runtime check on its artifact
-  generate               generate() of 8k-token prompts through the serving cache (runtime_check/cache.py with the
+  generate               generate() of 8k-token prompts through the serving cache (serving/cache.py with the
                          block-wise attention) beside transformers' DynamicCache: torch.cuda.max_memory_allocated
                          above the weights, cache bytes, prefill and decode time
 
@@ -297,7 +297,7 @@ def _code_identity() -> dict:
 
 IMPORTS = ("torch", "triton", "transformers", "accelerate", "safetensors", "sklearn", "omegaconf", "hydra",
            "jsonschema", "pipeline.config", "pipeline.app", "pipeline.check", "exporters.native",
-           "runtime_check.cache", "runtime_check.blockwise", "runtime_check.triton_attention", "bench.kernel")
+           "serving.cache", "serving.blockwise", "serving.triton_attention", "bench.kernel")
 
 
 def part_imports(smoke: Smoke) -> tuple[dict, list[str]]:
@@ -471,8 +471,8 @@ def part_generate(smoke: Smoke) -> tuple[dict, list[str]]:
 
     from exporters.native import load_artifact
     from pipeline.check import eval_ids
-    from runtime_check.blockwise import generate
-    from runtime_check.cache import cache_kwargs
+    from serving.blockwise import generate
+    from serving.cache import cache_kwargs
 
     lm, s = got["lm"], smoke.sizes
     policy = load_artifact(got["artifact_dir"], lm.spec).policy

@@ -4,7 +4,7 @@ python -m bench.kernel [--contexts 4096,16384,65536,131072] [--batches 1,8] [--j
 python -m bench.kernel --cpu [--contexts 256] [--batches 1,2]     # dry run: Triton interpreted, wall-clock times
 
 One layer of the Llama-3-8B attention shape (32 query heads, 8 kv heads, head_dim 128, Llama-3 RoPE scaling),
-one new query token per sequence, synthetic random caches laid out exactly as runtime_check/cache.py stores them:
+one new query token per sequence, synthetic random caches laid out exactly as serving/cache.py stores them:
 nuq-4 / nuq-2 (KVQuant: pre-RoPE per-channel keys through a 16- / 4-level codebook, rotated in the kernel, values
 per token, one fp16 sink row), nuq-4-1pct (the same plus 1% sparse outliers in K and V), fp8 (E4M3, post-RoPE,
 per-tensor scale). The baseline is F.scaled_dot_product_attention on fp16 K/V with the GQA group folded into
@@ -14,7 +14,7 @@ Per (format, context, batch) row:
 - step_ms: the kernel launch alone (triton.testing.do_bench median on a GPU; on the CPU the median wall time of
   interpreted calls, which says nothing about speed). Host metadata (outlier row offsets, split sizes) is
   prepared once per cache, as a serving runtime keeps it (DecodeLaunch);
-- prepare_step_ms: runtime_check.triton_attention.decode_attention, which prepares the launch on every call -- what
+- prepare_step_ms: serving.triton_attention.decode_attention, which prepares the launch on every call -- what
   a step costs when the runtime does not keep the launch;
 - sdpa_ms, speedup = sdpa_ms / step_ms (> 1: the kernel is faster);
 - bytes_read: every stored byte of K and V the step reads (codes, scales, zero points, outliers, sink rows) for
@@ -60,7 +60,7 @@ def make_cache(fmt: str, b: int, t: int, device, g: torch.Generator):
     """-> DecodeInputs over a random stored cache of t tokens (all encoded but a sink row for nuq)."""
     from exporters.codec import TensorPolicy
     from exporters.layout import StoredBlock
-    from runtime_check.inputs import DecodeInputs
+    from serving.inputs import DecodeInputs
 
     shape = (b, H_KV, t, D)
     q = torch.randn(b, H_Q, D, generator=g, device=device)
@@ -109,8 +109,8 @@ def stored_bytes(inp) -> int:
 
 def max_rel_err(inp, block_t: int = 32) -> float:
     from runtime_check import reference
-    from runtime_check.inputs import inputs_to
-    from runtime_check.triton_attention import decode_attention
+    from serving.inputs import inputs_to
+    from serving.triton_attention import decode_attention
 
     out = decode_attention(inp, block_t=block_t).cpu()
     ref = reference.decode_attention(inputs_to(inp, "cpu"))
@@ -142,7 +142,7 @@ def measure(contexts: list[int], batches: list[int], formats: list[str], device:
     (time.monotonic()): (context, batch) pairs not started by then are listed in "skipped" instead of measured."""
     import torch.nn.functional as F
 
-    from runtime_check.triton_attention import decode_attention, prepare, run
+    from serving.triton_attention import decode_attention, prepare, run
 
     device = torch.device(device)
     unknown = sorted(set(formats) - set(FORMATS))

@@ -2,7 +2,7 @@
 
 python -m bench.serve --artifact DIR --json PATH [--attention blockwise|materialize]
 
-The artifact's cache is served as a runtime would: block-wise (runtime_check/blockwise.py, the default: the stored
+The artifact's cache is served as a runtime would: block-wise (serving/blockwise.py, the default: the stored
 form read one block at a time, no decoded copy of the history; prompts attend to their own rows in full precision),
 or --attention materialize (every row decoded at every step for the model's own attention: the old path).
 
@@ -30,13 +30,13 @@ from exporters.native import load_artifact
 from pipeline.config import ModelConfig
 from pipeline.data import read_text, tokenize
 from pipeline.model import load_model
-from runtime_check.blockwise import generate
-from runtime_check.cache import ArtifactCache, cache_kwargs
+from serving.blockwise import generate
+from serving.cache import ArtifactCache, cache_kwargs
 from stages.probes import passkey_prompt
 
 def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "blockwise") -> torch.Tensor:
     """n greedy new tokens (exactly n: EOS cannot end one run early) through model.generate: with a full-precision
-    DynamicCache (policy None) or the artifact's cache served with `attention` (runtime_check.blockwise.generate)."""
+    DynamicCache (policy None) or the artifact's cache served with `attention` (serving.blockwise.generate)."""
     kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
     with torch.no_grad():
         if policy is None:
@@ -49,7 +49,7 @@ def greedy(model, prompt: torch.Tensor, n: int, policy=None, attention: str = "b
 def served(model, cache):
     """The block-wise attention installed for a block-wise cache; nothing for another cache."""
     if isinstance(cache, ArtifactCache) and cache.attention == "blockwise":
-        from runtime_check.blockwise import serving
+        from serving.blockwise import serving
 
         return serving(model, cache)
     return nullcontext()

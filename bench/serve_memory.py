@@ -10,10 +10,10 @@ within one dtype):
 - fp16:        transformers' DynamicCache in the model's dtype (float32: its bytes are twice an fp16 cache's;
                `cache_mb_at_fp16` counts them at 2 bytes per element; bfloat16: 2 bytes, as an fp16 cache) -- `dtype`
                in the JSON;
-- artifact:    runtime_check.cache.ArtifactCache(attention="blockwise"): single-token steps through the fused CPU
-               kernel (runtime_check/cpu_attention.py; `kernel` in the row says which ran, or why the block-wise torch
+- artifact:    serving.cache.ArtifactCache(attention="blockwise"): single-token steps through the fused CPU
+               kernel (serving/cpu_attention.py; `kernel` in the row says which ran, or why the block-wise torch
                path did), new rows encoded by its encoder, prefill chunks attending to their own rows in full
-               precision and to the history block by block (runtime_check/blockwise.py);
+               precision and to the history block by block (serving/blockwise.py);
 - materialize: the same cache with attention="materialize" (every row decoded at every step: the old path).
 
 A batch-B row prefills one window at batch 1 and repeats its stored rows to the batch (Cache.batch_repeat_interleave:
@@ -70,7 +70,7 @@ import torch
 from transformers import DynamicCache
 
 from bench.common import wikitext_dir, write_json
-from runtime_check.cache import BLOCK, PAGE, cache_kwargs
+from serving.cache import BLOCK, PAGE, cache_kwargs
 
 CACHES = ("fp16", "artifact", "materialize")
 MB = 2 ** 20
@@ -166,7 +166,7 @@ def windows(tokenizer, batch: int, length: int, offset: int = 0) -> torch.Tensor
 
 
 def make_cache(kind: str, model, policy, block: int, page: int):
-    from runtime_check.cache import ArtifactCache
+    from serving.cache import ArtifactCache
 
     if kind == "fp16":
         return DynamicCache(config=model.config)
@@ -177,7 +177,7 @@ def make_cache(kind: str, model, policy, block: int, page: int):
 def served(kind: str, model, cache):
     if kind != "artifact":
         return nullcontext()
-    from runtime_check.blockwise import serving
+    from serving.blockwise import serving
 
     return serving(model, cache)
 
@@ -197,7 +197,7 @@ def held(kind: str, cache, model) -> dict:
     """The cache's own accounting in bytes: what it holds by kind (their sum is "total"), the page capacity
     allocated but holding nothing yet ("reserved_capacity_bytes", apart from the total: it is in the RSS), and
     the largest live temporary."""
-    from runtime_check.cache import HELD_KINDS
+    from serving.cache import HELD_KINDS
 
     if kind == "fp16":
         held = [t for layer in cache.layers for t in (layer.keys, layer.values)]
@@ -292,7 +292,7 @@ def kernel_route(kind: str) -> str:
     """Which attention served the decode steps: the fused CPU kernel or the block-wise torch path (the reason)."""
     if kind != "artifact":
         return "transformers sdpa" if kind == "fp16" else "transformers sdpa over decoded rows"
-    from runtime_check import cpu_attention
+    from serving import cpu_attention
 
     st = cpu_attention.status()
     return "fused CPU kernel" if st["available"] else f"block-wise torch ({st['reason']})"
@@ -345,7 +345,7 @@ def quality(args, lm, policy) -> dict:
 
 
 def passkey(args, lm, policy) -> dict:
-    from runtime_check.blockwise import generate
+    from serving.blockwise import generate
     from stages.probes import passkey_prompt
 
     model, tok = lm.model, lm.tokenizer
@@ -425,7 +425,7 @@ def main(argv=None) -> None:
     bad = set(dtypes) - {"float32", "bfloat16", "float16"}
     if bad:
         raise SystemExit(f"--dtypes: unknown {sorted(bad)}; choose from float32, bfloat16, float16")
-    from runtime_check import cpu_attention
+    from serving import cpu_attention
 
     print(f"decode attention of the artifact cache: {kernel_route('artifact')}"
           + (f" ({cpu_attention.status()['path']})" if cpu_attention.available() else ""), flush=True)

@@ -13,7 +13,7 @@ kv_cache_dtype auto, its packed slots). Each reports:
    cache's rows fake-quantized as the artifact stores them): the gap packed vLLM / predicted (target: 0.5%), and
    each cache's ratio to its engine's reference with 95% bootstrap intervals;
 3. greedy continuations of prompts of --greedy-lengths tokens: vLLM with the plugin vs the project's own serving
-   cache (runtime_check.cache.ArtifactCache through runtime_check.blockwise.generate, float32, prefill from the
+   cache (serving.cache.ArtifactCache through serving.blockwise.generate, float32, prefill from the
    stored rows as vLLM's cache write-then-read does) on the same prompts: first differing position;
 4. decode throughput after a --decode-context prompt: tokens / s, packed / auto (target >= 1);
 5. the read-back: every layer's codebooks, scales and outlier bounds the plugin holds (sha256 of the float32
@@ -79,7 +79,7 @@ def predict(ckpt: Path, artifact, windows: torch.Tensor, log, seeds: list[int]) 
 
 def serving_greedy(model, policy, prompts: list[list[int]], new_tokens: int, log) -> list[list[int]]:
     """The project's serving cache (ArtifactCache, block-wise attention, prefill from the stored rows), greedy."""
-    from runtime_check.blockwise import generate
+    from serving.blockwise import generate
 
     out = []
     for p in prompts:

@@ -67,9 +67,9 @@ def greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def plugin_state():
-    """runtime_check.vllm_backend when the kvcalib plugin is installed here (else None)."""
+    """serving.vllm_backend when the kvcalib plugin is installed here (else None)."""
     try:
-        from runtime_check import vllm_backend
+        from serving import vllm_backend
     except ImportError:
         return None
     return vllm_backend

@@ -654,7 +654,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
 
 # ---- the size model ---------------------------------------------------------------------------------------
 # The one definition of how many bits the stored form takes. Evaluation (encoded_bits -> avg_bits), the byte
-# ledger (exporters/ledger.py) and the runtime cache (runtime_check/cache.py) all count through it.
+# ledger (exporters/ledger.py) and the runtime cache (serving/cache.py) all count through it.
 
 FULL_PRECISION_BITS = 16   # fp16 values: format fp16, sink rows, residual rows
 FP8_BITS = 8

@@ -89,7 +89,7 @@ def append(block: StoredBlock | None, new: StoredBlock) -> StoredBlock:
 class PagedBlock:
     """One layer's encoded K or V rows as consecutive pages, each a StoredBlock laid out as `store` lays out its
     rows alone (docs/manifest.md's layout, per page: codes, scales / zero-points or groups, outlier counts [T_q, B]
-    and the page's own t-major outlier list). Readers that care about size iterate `pages` (runtime_check/
+    and the page's own t-major outlier list). Readers that care about size iterate `pages` (serving/
     blockwise.py, the Triton kernel's decode_attention); `start`, `shape`, `nbytes` describe the whole, and
     `tensors` is the whole as one block (`join`: a copy, for the oracle and checks)."""
     pages: tuple[StoredBlock, ...]

@@ -1,5 +1,5 @@
 """Which rows a served cache holds at every step: the one definition that the evaluation (stages/evaluate.py),
-the serving cache (runtime_check/cache.py), the block-wise reader (runtime_check/blockwise.py) and the byte
+the serving cache (serving/cache.py), the block-wise reader (serving/blockwise.py) and the byte
 ledger (exporters/ledger.py) read, so that what is evaluated is what is served by construction.
 
 One layer of a cache that has received t positions (0..t-1) holds, in position order (docs/manifest.md,

@@ -45,7 +45,7 @@ POLICY_TENSORS = ("codebook", "range", "zero", "lower", "upper")   # a side's st
 
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a policy tensor's float32 values: how the plugin reports what it holds and the benchmark compares
-    it with the artifact (runtime_check.vllm_backend.held, bench/vllm_packed.py check_held)."""
+    it with the artifact (serving.vllm_backend.held, bench/vllm_packed.py check_held)."""
     return hashlib.sha256(t.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 

@@ -1,5 +1,5 @@
 """The runtime equivalence check of an exported artifact: the Triton kernel reading its cache -- and on a machine
-without a GPU also the fused CPU kernel that serves there (runtime_check/cpu_attention.py) -- computes the oracle's
+without a GPU also the fused CPU kernel that serves there (serving/cpu_attention.py) -- computes the oracle's
 attention. `python -m pipeline check DIR` (main) and, after export, `python -m pipeline run` (run_check).
 
 For each context length T and batch size B of CheckConfig: B consecutive windows of evaluation text (the
@@ -54,7 +54,7 @@ def triton_kernel(native: bool) -> Callable:
     without a GPU the kernel runs on the CPU in Triton's interpreter, in few large tiles (its cost is per tile)."""
     import torch
 
-    from runtime_check import triton_attention
+    from serving import triton_attention
 
     block_t = 32 if native else 256
 
@@ -104,10 +104,10 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
 
     # the kernels under test: a given one (tests pass a faulty one), else the Triton kernel -- natively on a GPU,
     # interpreted on a CPU -- and, on a machine without a GPU, the fused CPU kernel that serves there
-    # (runtime_check/cpu_attention.py) when it is built
+    # (serving/cpu_attention.py) when it is built
     kernels = {"given": kernel} if kernel is not None else {"triton": triton_kernel(native)}
     if kernel is None and not native:
-        from runtime_check import cpu_attention
+        from serving import cpu_attention
 
         if cpu_attention.available():
             kernels["cpu"] = cpu_attention.decode_attention

@@ -2,7 +2,7 @@
 
 `record` fills an ArtifactCache under the artifact's policy with B windows of T + 1 tokens (prefill T, then one
 decode step) and captures the decode step's post-RoPE queries in every layer; `check_case` runs the attention
-under test (by default the Triton kernel, runtime_check/triton_attention.py) and the oracle
+under test (by default the Triton kernel, serving/triton_attention.py) and the oracle
 (runtime_check/reference.py) over the same stored cache in every layer, and `compare` measures them against
 the bound `tolerance` states and justifies. Loading the model and text, choosing the cases and writing the
 result into the manifest is pipeline/check.py's work.
@@ -56,8 +56,8 @@ def record(lm, policy, ids: torch.Tensor, prefix: dict | None = None) -> list:
     decode step. prefix: {"ids": [P], "k", "v": [L, H, P, D]} the artifact's full-precision rows, which the
     cache serves at positions 0..P-1 before the ids (ArtifactCache(..., prefix=...)); None for a policy without
     a prefix, or to have the cache compute them from the model."""
-    from runtime_check.cache import ArtifactCache, cache_kwargs
-    from runtime_check.inputs import from_layer, inputs_to
+    from serving.cache import ArtifactCache, cache_kwargs, from_layer
+    from serving.inputs import inputs_to
     from stages.hooks import attention_override, eager_attention, model_device, model_rotaries
 
     model = lm.model

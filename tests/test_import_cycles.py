@@ -1,7 +1,8 @@
 """No import circle anywhere in the product code: the module graph of every import statement of exporters/,
-stages/, runtime_check/, pipeline/ and bench/ (function-local ones and `from package import module` too, read by
-tests/test_layering.py's `imports`) has no strongly connected component of more than one module and no module
-importing itself. Imports under `if TYPE_CHECKING:` never run and are left out. An import names the module it
+stages/, serving/, runtime_check/, pipeline/ and bench/ (function-local ones, `from package import module` and those
+under `if TYPE_CHECKING:` too, read by tests/test_layering.py's `imports`) has no strongly connected component of more
+than one module and no module importing itself. A type-checking import never runs, but it is a dependency all the
+same: a circle through one is a circle a type checker and a reader follow. An import names the module it
 loads; a package's __init__.py is a node of its own, reached when it is named (`import stages`, or
 `from stages import x` where x is not a module)."""
 from pathlib import Path
@@ -15,7 +16,7 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
     graph: dict[str, dict[str, list[str]]] = {}
     for name, path in paths.items():
         edges = graph.setdefault(name, {})
-        for line, target in imports(path, root, runtime_only=True):
+        for line, target in imports(path, root):
             if target in paths:
                 edges.setdefault(target, []).append(f"{path.relative_to(root)}:{line}")
     return graph
@@ -87,10 +88,11 @@ def test_the_check_catches_every_kind_of_circle(tmp_path):
         "pipeline/p1.py": "import pipeline.p2\n",
         "pipeline/p2.py": "from pipeline.p3 import y\n",
         "pipeline/p3.py": "from .p1 import z\n",
-        # not circles: an import only for type checking, a chain, an outside library
-        "runtime_check/t.py": ("from typing import TYPE_CHECKING\n"
-                               "if TYPE_CHECKING:\n    from runtime_check.u import U\n"),
-        "runtime_check/u.py": "import torch\nfrom runtime_check.t import T\nfrom exporters.a import X\n",
+        # a circle closed by an import only for type checking
+        "serving/t.py": ("from typing import TYPE_CHECKING\n"
+                         "if TYPE_CHECKING:\n    from serving.u import U\n"),
+        "serving/u.py": "import torch\nfrom serving.t import T\nfrom exporters.a import X\n",
+        # not circles: a chain, an outside library
         "bench/top.py": "from pipeline import p1\nimport typing\n",
     }
     for rel, text in files.items():
@@ -99,8 +101,8 @@ def test_the_check_catches_every_kind_of_circle(tmp_path):
         "exporters.a / exporters.b: exporters/a.py:1 imports exporters.b; exporters/b.py:2 imports exporters.a",
         "pipeline.p1 / pipeline.p2 / pipeline.p3: pipeline/p1.py:1 imports pipeline.p2; "
         "pipeline/p2.py:1 imports pipeline.p3; pipeline/p3.py:1 imports pipeline.p1",
+        "serving.t / serving.u: serving/t.py:3 imports serving.u; serving/u.py:2 imports serving.t",
         "stages.self_: stages/self_.py:1 imports stages.self_",
     ]
-    (tmp_path / "runtime_check/t.py").write_text("from runtime_check.u import U\n")  # the same import, at run time
-    assert "runtime_check.t / runtime_check.u: runtime_check/t.py:1 imports runtime_check.u; " \
-           "runtime_check/u.py:2 imports runtime_check.t" in circles(tmp_path)
+    (tmp_path / "serving/t.py").write_text("import typing\n")  # the type-checking import gone: no circle
+    assert not any(c.startswith("serving.") for c in circles(tmp_path))

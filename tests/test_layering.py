@@ -1,5 +1,7 @@
-"""The house's layering, checked on every import statement of the product code (function-local ones too):
-bench -> pipeline -> {stages, runtime_check} -> exporters. An import may point down or sideways, never up;
+"""The house's layering, checked on every import statement of the product code (function-local ones and those under
+`if TYPE_CHECKING:` too): bench -> pipeline -> runtime_check -> serving -> stages -> exporters. An import may point
+down, never up: the check (runtime_check/: the oracle, the check driver) proves the serving runtime (serving/: the
+Cache, the block-wise reader, the kernels, the vLLM plugin) and imports it; serving/ never imports the check;
 Hydra, OmegaConf and MLflow are imported only by pipeline/ (and bench/, above it). The import reader below
 (module_name, imports) is the one tests/test_import_cycles.py builds its module graph from."""
 import ast
@@ -9,7 +11,7 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parent.parent
-LEVEL = {"exporters": 0, "stages": 1, "runtime_check": 1, "pipeline": 2, "bench": 3}
+LEVEL = {"exporters": 0, "stages": 1, "serving": 2, "runtime_check": 3, "pipeline": 4, "bench": 5}
 SIDE_EFFECT_LIBS = ("hydra", "omegaconf", "mlflow")
 
 
@@ -24,28 +26,16 @@ def is_module(dotted: str, root: Path = ROOT) -> bool:
     return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
 
 
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
-            or isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def imports(path: Path, root: Path = ROOT, runtime_only: bool = False) -> list[tuple[int, str]]:
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
     """(line, module) for every import statement of `path`, function-local ones too. `import a.b` names a.b;
     `from a import b` names a.b where that is a module under `root`, else a; relative imports are resolved
-    against the file's package. runtime_only: leave out the body of `if TYPE_CHECKING:` (never executed)."""
+    against the file's package. Imports under `if TYPE_CHECKING:` count as any other."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    skipped = set()
-    if runtime_only:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.If) and _type_checking(node.test):
-                skipped |= {id(n) for statement in node.body for n in ast.walk(statement)}
     package = module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
     out = []
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -80,11 +70,34 @@ def test_the_check_catches_an_upward_import(tmp_path):
         (tmp_path / package).mkdir()
     (tmp_path / "stages" / "bad.py").write_text("def f():\n    from pipeline.config import RunConfig\n")
     (tmp_path / "exporters" / "worse.py").write_text("import omegaconf\nfrom stages import traces\n")
-    (tmp_path / "runtime_check" / "fine.py").write_text("from stages.hooks import attend\nfrom exporters import codec\n")
+    (tmp_path / "runtime_check" / "fine.py").write_text("from serving.cache import C\nfrom exporters import codec\n")
+    (tmp_path / "serving" / "kernel.py").write_text("from typing import TYPE_CHECKING\nfrom stages.hooks import attend\n"
+                                                    "if TYPE_CHECKING:\n    from runtime_check.check import X\n")
     found = violations(tmp_path)
-    assert len(found) == 3, found
+    assert len(found) == 4, found
     assert any("stages/bad.py:2 imports pipeline.config (upward" in v for v in found)
     assert any("exporters/worse.py:1 imports omegaconf" in v for v in found)
+    assert any("serving/kernel.py:4 imports runtime_check.check (upward: serving is below runtime_check)" in v
+               for v in found)
+
+
+def test_every_layer_is_a_package_and_the_entry_points_resolve():
+    """The serving runtime lives in serving/ (the vLLM plugin entry point and the C source shipped as package data
+    name it there), and runtime_check/ holds the check alone."""
+    import tomllib
+
+    for package in LEVEL:
+        assert (ROOT / package / "__init__.py").is_file(), f"{package}/ is a layer of the house but not a package"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for name, target in project["project"]["entry-points"]["vllm.general_plugins"].items():
+        module, _, attr = target.partition(":")
+        assert module.split(".")[0] == "serving" and is_module(module), f"vllm plugin {name} -> {target}"
+        assert f"def {attr}(" in ROOT.joinpath(*module.split(".")).with_suffix(".py").read_text()
+    for package, patterns in project["tool"]["setuptools"]["package-data"].items():
+        for pattern in patterns:
+            assert list((ROOT / package).glob(pattern)), f"package data {package}/{pattern} matches no file"
+    assert (ROOT / "serving" / "csrc" / "decode_attention.c").is_file()
+    assert {p.stem for p in (ROOT / "runtime_check").glob("*.py")} == {"__init__", "check", "reference"}
 
 
 def test_importing_stages_registers_nothing_with_transformers():

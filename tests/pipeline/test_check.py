@@ -16,7 +16,7 @@ from pipeline.check import run_check
 from pipeline.check_config import CheckConfig
 from pipeline.config import load_recipe, recipe_names
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
-from runtime_check import triton_attention
+from serving import triton_attention
 from stages.recipe import is_exportable_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

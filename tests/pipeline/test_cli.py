@@ -123,7 +123,7 @@ QUICK = [*(a for a in TINY if not a.startswith("quant=")), "quant=int4-token", "
 
 def test_a_failed_runtime_check_exits_1_under_run(tmp_path):
     """The kernel made wrong by 1%: the run exports, checks, records the failure and exits EXIT_CHECK_FAILED."""
-    patch = ("import runtime_check.triton_attention as t\nreal = t.decode_attention\n"
+    patch = ("import serving.triton_attention as t\nreal = t.decode_attention\n"
              "t.decode_attention = lambda inp, **kw: real(inp, **kw) * 1.01")
     out = _run_planted(patch, ["run", *QUICK], tmp_path)
     assert out.returncode == EXIT_CHECK_FAILED, out.stderr[-2000:]

@@ -6,12 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from exporters.layout import StoredBlock
 from exporters.native import load_artifact
 from pipeline.check import eval_ids
-from exporters.layout import StoredBlock
-from runtime_check import triton_attention
 from runtime_check.check import (ATOL, RTOL, KernelFailed, artifact_prefix, check_case, compare, non_finite, record,
                                  tolerance)
+from serving import triton_attention
 
 
 def _timing():

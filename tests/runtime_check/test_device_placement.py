@@ -1,15 +1,15 @@
 """The runtime check with the model split over two GPUs, emulated on the CPU (tests/virtual_devices.py): every
 layer's decode inputs stay on that layer's device, and neither the recording, the oracle, the comparison nor a
 torch kernel moves an activation off it or meets tensors of two devices (issue 31, item 1). The kernel here is
-the block-wise reader (runtime_check/blockwise.py): torch only, so it runs under the emulation; the Triton kernel's
+the block-wise reader (serving/blockwise.py): torch only, so it runs under the emulation; the Triton kernel's
 own launch device is tests/pipeline/test_check.py's."""
 import pytest
 import torch
 
 from exporters.native import load_artifact
 from pipeline.check import eval_ids
-from runtime_check import blockwise
 from runtime_check.check import artifact_prefix, check_case, record
+from serving import blockwise
 from tests.virtual_devices import VirtualDevices
 
 DEVICES = ["cuda:0", "cuda:1"]  # the tiny model's two layers: layer 0 on cuda:0, layer 1 on cuda:1

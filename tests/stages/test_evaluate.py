@@ -81,11 +81,11 @@ def _served_policy(tiny, calib, name: str) -> CachePolicy:
                                          "kvquant-3b-1pct+smooth", "value-groups", "kvquant-3b-1pct+prefix"])
 def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib, recipe_name):
     """The logits the evaluation computes for a window equal those of decoding the same tokens one at a time
-    through runtime_check/cache.py under the same policy (sink rows in fp16, every other row through the codec
+    through serving/cache.py under the same policy (sink rows in fp16, every other row through the codec
     as stored, the residual buffer's flush rule in whole units of K's and V's groups, a prefix's rows first):
     max |log-prob difference| <= 2e-4 (float32 rounding of two attention implementations; a wrong row
     precision, flush or RoPE convention moves it by >= 1e-3)."""
-    from runtime_check.cache import ArtifactCache
+    from serving.cache import ArtifactCache
 
     policy = _served_policy(tiny, calib, recipe_name)
     for w in range(2):

@@ -1,5 +1,5 @@
 """One RoPE round trip for a bfloat16 model (docs/manifest.md, RoPE: precision): the evaluation, the serving cache
-(runtime_check/cache.py, materialized and block-wise) and the oracle (runtime_check/reference.py) invert and
+(serving/cache.py, materialized and block-wise) and the oracle (runtime_check/reference.py) invert and
 re-apply RoPE with the same float32 tables on float32 keys, so they serve the same keys -- to float32 rounding --
 whatever the model's dtype. Before, a bfloat16 model saw three round trips: bf16 tables in the evaluation (and
 bf16 decoded K/V), bf16 tables to invert and float32 ones to re-apply in the block-wise reader and the oracle."""
@@ -11,9 +11,8 @@ import torch
 from exporters.codec import CachePolicy, TensorPolicy
 from pipeline.config import load_recipe
 from runtime_check import reference
-from runtime_check.blockwise import serving, stored_blocks
-from runtime_check.cache import ArtifactCache
-from runtime_check.inputs import from_layer
+from serving.blockwise import serving, stored_blocks
+from serving.cache import ArtifactCache, from_layer
 from stages import evaluate, recipe
 from stages.hooks import rope_tables
 

@@ -10,9 +10,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from exporters.codec import CachePolicy, TensorPolicy, encode, fp8_scale_from_amax
 from exporters.layout import store
 from runtime_check import reference
-from runtime_check.cache import ArtifactCache
-from runtime_check.inputs import DecodeInputs, from_layer
-from runtime_check.triton_attention import decode_attention
+from serving.cache import ArtifactCache, from_layer
+from serving.inputs import DecodeInputs
+from serving.triton_attention import decode_attention
 
 B, H_KV, GROUP = 2, 2, 3
 
@@ -235,8 +235,8 @@ def test_paged_decode_prepares_each_page_once_in_one_launch(monkeypatch):
 
     from exporters.codec import encode as enc
     from exporters.layout import PagedRows
-    from runtime_check import pages as pages_mod
-    from runtime_check import triton_attention as ta
+    from serving import pages as pages_mod
+    from serving import triton_attention as ta
 
     g = torch.Generator().manual_seed(0)
     d, n_sink, b = 16, 2, 1
@@ -284,7 +284,7 @@ def test_kernels_launch_on_the_device_of_their_tensors(monkeypatch):
     """A launch runs under the device guard of its tensors' device (a layer on cuda:1 while cuda:0 is current)."""
     import contextlib
 
-    from runtime_check import triton_attention as ta
+    from serving import triton_attention as ta
 
     guard = ta._on_device(torch.device("cuda", 1))
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
@@ -298,7 +298,7 @@ def test_kernels_launch_on_the_device_of_their_tensors(monkeypatch):
 def test_the_merge_steps_over_the_items_in_blocks():
     """The merge reads a row's partials S_BLOCK at a time, rescaling by the running max: 7 items in blocks of 2,
     an empty item among them, equal the one-pass softmax merge."""
-    from runtime_check import triton_attention as ta
+    from serving import triton_attention as ta
 
     g = torch.Generator().manual_seed(0)
     rows, n, d = 3, 7, 16

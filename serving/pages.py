@@ -4,8 +4,8 @@ One int64 row per page: its first position and rows, then for K and for V the si
 and its 4 strides; scale and zero addresses and their 4 strides (per-token / per-group scales); addresses of the
 outlier counts, their exclusive prefix sum, the indices and the values. Addresses are in elements of the tensor
 (data_ptr // element size: a reader multiplies back by the element size it knows); unused fields are 0. The
-Triton kernel (runtime_check/triton_attention.py) reads the addresses relative to the first page's, the CPU
-kernel (runtime_check/cpu_attention.py) as they are. The format and scale-layout codes (FMT_*, SC_*) are those
+Triton kernel (serving/triton_attention.py) reads the addresses relative to the first page's, the CPU
+kernel (serving/cpu_attention.py) as they are. The format and scale-layout codes (FMT_*, SC_*) are those
 both kernels branch on. This module imports neither kernel's compiler.
 """
 from __future__ import annotations

@@ -28,11 +28,11 @@ fp16, follows its sequence), `crop(0)`. What it cannot do faithfully it refuses 
 Two ways to serve it (`ArtifactCache(..., attention=...)`):
 - "materialize" (the default for a cache built directly): `update` returns every cached row decoded
   (`ArtifactLayer.materialize`), [B, H, T, D] in the model's dtype, for the model's own attention.
-- "blockwise": `update` stores the new rows and returns them alone; the attention is runtime_check/blockwise.py's,
+- "blockwise": `update` stores the new rows and returns them alone; the attention is serving/blockwise.py's,
   which reads the stored form one block of positions at a time, so no full-precision copy of the history is
-  ever made. It must be installed: `runtime_check.blockwise.serving(model, cache)` (a context manager) or
-  `runtime_check.blockwise.generate(...)` (whose default it is); a block-wise cache updated without it refuses
-  (InputError). Of runtime_check this module imports only cpu_attention (the C library's encoder of new rows, the
+  ever made. It must be installed: `serving.blockwise.serving(model, cache)` (a context manager) or
+  `serving.blockwise.generate(...)` (whose default it is); a block-wise cache updated without it refuses
+  (InputError). Of serving/ this module imports only cpu_attention and inputs (the C library's encoder of new rows, the
   codec's bytes: where it is built and takes the policy; the codec otherwise): the readers import the cache.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ from exporters.codec import CachePolicy, check_exportable, decode, encode, stati
 from exporters.layout import PAGE, PagedBlock, PagedRows, take_batch, load, store
 from exporters.rope import apply_rope, invert_rope, rotary_tables
 from exporters.served_rows import layer_rows
-from runtime_check import cpu_attention
+from serving import cpu_attention
+from serving.inputs import DecodeInputs
 from stages.base import InputError
 
 ATTENTION_MODES = ("blockwise", "materialize")
@@ -108,7 +109,7 @@ class ArtifactLayer(CacheLayerMixin):
         # [1, H, P, D] fp16, copied (never a view of what was given); every sequence starts after them
         self.prefix = None if not n_prefix else tuple(x.detach().to(torch.float16)[None].clone() for x in prefix)
         self.dtype = torch.float32
-        # new rows through the CPU kernel's encoder (runtime_check/cpu_attention.py) where it is built and takes
+        # new rows through the CPU kernel's encoder (serving/cpu_attention.py) where it is built and takes
         # the policy; False: always the codec (a test compares the two)
         self.fast_encode = True
         self.reset()
@@ -226,7 +227,7 @@ class ArtifactLayer(CacheLayerMixin):
             room = self.k_rows.room()
             assert room == self.v_rows.room(), "K and V pages must cover the same rows"
             b = a + min(n - a, room)
-            # the CPU kernel's encoder where it takes the policy (the same bytes: tests/runtime_check/
+            # the CPU kernel's encoder where it takes the policy (the same bytes: tests/serving/
             # test_cpu_attention.py), else the codec
             kb = vb = None
             if self.fast_encode:
@@ -264,8 +265,8 @@ class ArtifactLayer(CacheLayerMixin):
         if self.attention == "blockwise" and not self.served:
             raise InputError("ArtifactCache(attention='blockwise') updated outside its attention: the model's own "
                              "attention would see the new rows only. Run the model under "
-                             "runtime_check.blockwise.serving(model, cache) or generate with "
-                             "runtime_check.blockwise.generate(...), or build the cache with attention='materialize'")
+                             "serving.blockwise.serving(model, cache) or generate with "
+                             "serving.blockwise.generate(...), or build the cache with attention='materialize'")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         t = key_states.shape[2]
@@ -373,7 +374,7 @@ class ArtifactCache(Cache):
     def __init__(self, policy: CachePolicy, model: torch.nn.Module, attention: str = "materialize",
                  block: int = BLOCK, prefill: str = "full", page: int = PAGE, prefix: dict | None = None):
         """attention: "materialize" (update returns every row decoded, for the model's own attention) or
-        "blockwise" (runtime_check/blockwise.py reads the stored form block by block; serve the model with
+        "blockwise" (serving/blockwise.py reads the stored form block by block; serve the model with
         blockwise.serving or generate). block: positions per block. prefill (blockwise): a chunk of T_q > 1
         new tokens attends to its own rows "full" -- in full precision, as engines do -- or "stored" -- as
         the cache stores them, what "materialize" gives; the history before a chunk, and every row a single
@@ -508,3 +509,11 @@ def check_batch(attention_mask: torch.Tensor | None) -> None:
     if attention_mask is not None and not bool(attention_mask.all()):
         lengths = attention_mask.sum(-1).tolist()
         raise InputError(f"ArtifactCache needs a batch of equal-length rows (no padding); got lengths {lengths}")
+
+
+def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: torch.nn.Module) -> DecodeInputs:
+    """The inputs for decoding against one ArtifactLayer; q: [B, H_q, D] post-RoPE."""
+    smooth = layer.policy.smooth[layer.layer].float() if layer.policy.smooth is not None else None
+    return DecodeInputs(q=q.float().contiguous(), scaling=float(scaling), key_policy=layer.pk, value_policy=layer.pv,
+                        key_rope=layer.policy.key_rope, rotary=rotary, sink=layer.sink, k_block=layer.k_block,
+                        v_block=layer.v_block, recent=layer.recent, smooth=smooth, start=layer.start)

@@ -9,16 +9,10 @@ at start..S-1) and are contiguous from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
 import torch
 
 from exporters.codec import TensorPolicy
 from exporters.layout import PagedBlock, StoredBlock
-
-if TYPE_CHECKING:  # from_layer reads a layer's fields only: the cache imports nothing of the readers' modules
-    from runtime_check.cache import ArtifactLayer
-
 
 @dataclass
 class DecodeInputs:
@@ -29,7 +23,7 @@ class DecodeInputs:
     key_rope: str                                          # "pre": block keys are rotated at their positions
     rotary: torch.nn.Module                                # the model's rotary module (inv_freq, attention_scaling)
     sink: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, S, D] fp16 post-RoPE K, V
-    # encoded rows start..start+T_q-1: one block, or the cache's pages (PagedBlock, from_layer: views, no copy)
+    # encoded rows start..start+T_q-1: one block, or the cache's pages (PagedBlock, serving.cache.from_layer: views, no copy)
     k_block: StoredBlock | PagedBlock | None = None
     v_block: StoredBlock | PagedBlock | None = None
     recent: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, H_kv, R, D] fp16 post-RoPE K, V
@@ -54,14 +48,6 @@ class DecodeInputs:
         """Cached rows the query attends to."""
         encoded = self.k_block.shape[2] if self.k_block is not None else 0
         return sum(k.shape[2] for k in self._row_keys()) + encoded
-
-
-def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: torch.nn.Module) -> DecodeInputs:
-    """The inputs for decoding against one ArtifactLayer; q: [B, H_q, D] post-RoPE."""
-    smooth = layer.policy.smooth[layer.layer].float() if layer.policy.smooth is not None else None
-    return DecodeInputs(q=q.float().contiguous(), scaling=float(scaling), key_policy=layer.pk, value_policy=layer.pv,
-                        key_rope=layer.policy.key_rope, rotary=rotary, sink=layer.sink, k_block=layer.k_block,
-                        v_block=layer.v_block, recent=layer.recent, smooth=smooth, start=layer.start)
 
 
 def _to(x, device):

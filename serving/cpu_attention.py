@@ -1,19 +1,19 @@
-"""The fused CPU decode kernel (runtime_check/csrc/decode_attention.c): build, load, and call it on DecodeInputs.
+"""The fused CPU decode kernel (serving/csrc/decode_attention.c): build, load, and call it on DecodeInputs.
 
-The kernel reads one layer's cache where it lies -- the page table of runtime_check/pages.py, the one the Triton
+The kernel reads one layer's cache where it lies -- the page table of serving/pages.py, the one the Triton
 kernel reads, and the fp16 sink and residual rows -- and computes the new token's attention in one call: per tile
 of rows it decodes the stored bytes (codes through the codebook or code * scale + zero, fp8 bytes through their
 table, sparse outliers put back), multiplies keys by lambda, rotates pre-RoPE keys at their positions, and folds
 the scores of the GQA group into an online softmax and the value sum (docs/serving.md). Work items run on the
 process's OpenMP threads (torch's runtime: the library links libgomp.so.1, which torch has already loaded).
 
-Built once per machine by `python -m runtime_check.cpu_attention build` (scripts/install.sh runs it): the system's
+Built once per machine by `python -m serving.cpu_attention build` (scripts/install.sh runs it): the system's
 C compiler (`$CC`, else cc) with -O3 -march=native -fopenmp, into `$KVCALIB_KERNEL_DIR`, else
 `<sys.prefix>/kvcalib-kernels` (the virtual environment), else `~/.cache/kvcalib/kernels`; the library's name
 carries a hash of the source, the flags, the compiler's version and this CPU's model and feature flags, so a
 changed source or another CPU builds anew (a -march=native library must not run on a CPU without its
 instructions). The first use builds it if it is missing. When it cannot be built or loaded the block-wise torch
-path (runtime_check/blockwise.py) serves every step instead, and the reason is said once (stderr) at first use;
+path (serving/blockwise.py) serves every step instead, and the reason is said once (stderr) at first use;
 `status()` reports it.
 """
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 from exporters.layout import pages_of
-from runtime_check import pages
-from runtime_check.inputs import DecodeInputs
-from runtime_check.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC, fp8_lut, side_flags
+from serving import pages
+from serving.inputs import DecodeInputs
+from serving.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC, fp8_lut, side_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11")
@@ -173,7 +173,7 @@ def _load() -> ctypes.CDLL | None:
             lib, reason = None, f"{type(exc).__name__}: {exc}"
     if lib is None:
         print(f"kvcalib: the fused CPU decode kernel is not available ({reason}); single-token steps on the CPU "
-              f"use the block-wise torch attention (runtime_check/blockwise.py)", file=sys.stderr)
+              f"use the block-wise torch attention (serving/blockwise.py)", file=sys.stderr)
     _LIB.update(lib=lib, reason=reason)
     return lib
 
@@ -195,10 +195,10 @@ _HALVES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDi
 
 def _rope_table(rotary: torch.nn.Module, end: int) -> torch.Tensor | None:
     """[N >= end, 2, D / 2] float32: cos then sin of the first D / 2 frequencies at positions 0..N-1 (slices of the
-    block-wise reader's shared table, runtime_check.rope_tables.rope_at: the model's rotary module's own values), or
+    block-wise reader's shared table, serving.rope_tables.rope_at: the model's rotary module's own values), or
     None when the tables do not repeat their halves (the kernel rotates half by half). Kept per rotary module,
     grown as positions come."""
-    from runtime_check.rope_tables import _ROPE, _repeated_halves, rope_at
+    from serving.rope_tables import _ROPE, _repeated_halves, rope_at
 
     cos, sin = rope_at(rotary, 0, end, torch.device("cpu"))
     dynamic = "dynamic" in str(getattr(rotary, "rope_type", ""))
@@ -298,10 +298,10 @@ def _make_side(p, flags: dict, n_kv: int) -> tuple[_Side, list]:
 def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
            outliers: tuple[bool, bool], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
            lam: torch.Tensor | None, chunk: int, threads: int, keep: list) -> torch.Tensor:
-    """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (runtime_check/pages.py's fields), queries
+    """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (serving/pages.py's fields), queries
     q [B, H_q, D], the policies' static tensors, which sides store outliers, the RoPE table [N, 2, D / 2] (pre-RoPE
     keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32. The one entry to the library's decode, for
-    the serving cache (decode_attention) and the vLLM plugin (runtime_check/vllm_backend.py)."""
+    the serving cache (decode_attention) and the vLLM plugin (serving/vllm_backend.py)."""
     lib = _LIB["lib"]
     b, h_q, d = q.shape
     q = q.float().contiguous()
@@ -500,10 +500,10 @@ def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m runtime_check.cpu_attention build|status`: build the kernel (or say why not) / report it."""
+    """`python -m serving.cpu_attention build|status`: build the kernel (or say why not) / report it."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] not in (["build"], ["status"]):
-        print("usage: python -m runtime_check.cpu_attention build|status", file=sys.stderr)
+        print("usage: python -m serving.cpu_attention build|status", file=sys.stderr)
         return 2
     if argv[0] == "build":
         try:

@@ -2,7 +2,7 @@
 
 vLLM calls register() in every process it starts (vllm/plugins/__init__.py load_general_plugins) once our package
 is installed in its environment (scripts/install-vllm.sh). It points vLLM's CPU_ATTN backend at
-runtime_check.vllm_backend.KvcalibCPUBackend, which serves a packed kvcalib checkpoint folder from its slots and
+serving.vllm_backend.KvcalibCPUBackend, which serves a packed kvcalib checkpoint folder from its slots and
 every other model exactly as vLLM's own CPU attention. Nothing is imported here until vLLM asks for the backend;
 `VLLM_PLUGINS` (vLLM's allow-list) or KVCALIB_VLLM_PLUGIN=0 leaves vLLM untouched.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-BACKEND = "runtime_check.vllm_backend.KvcalibCPUBackend"
+BACKEND = "serving.vllm_backend.KvcalibCPUBackend"
 
 
 def register() -> None:

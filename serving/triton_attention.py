@@ -14,7 +14,7 @@ run of rows of one page for all query heads of their GQA group, and a second ker
 The cache's pages (exporters.layout.PagedBlock) are read where they lie, all in one launch: an int64 page table
 gives each page's tensors (element addresses, relative to the first page's, whose tensors are the pointer
 arguments) and strides, and a table of work items (page, first row, end row) is the launch's second grid axis.
-A page is laid out once (runtime_check/pages.py `laid_out`: its outlier row offsets, its table row) and kept while the page lives, so a
+A page is laid out once (serving/pages.py `laid_out`: its outlier row offsets, its table row) and kept while the page lives, so a
 decode step costs one small host-to-device copy of the tables and two launches, with no device-to-host read.
 Offsets into the stored rows are 64-bit (strides from the int64 table), so a page of B*H*T*D >= 2^31 elements is
 read correctly; key positions past the exact range of the RoPE range reduction are refused (`refusal`).
@@ -40,9 +40,9 @@ import triton.language as tl  # noqa: E402
 
 from exporters.codec import TensorPolicy  # noqa: E402
 from exporters.layout import pages_of  # noqa: E402
-from runtime_check.inputs import DecodeInputs, inputs_to  # noqa: E402
-from runtime_check import pages  # noqa: E402
-from runtime_check.pages import FMT_NUQ, N_PAGE, N_SIDE, SC_HEAD, SC_STATIC, fp8_lut, side_flags  # noqa: E402
+from serving.inputs import DecodeInputs, inputs_to  # noqa: E402
+from serving import pages  # noqa: E402
+from serving.pages import FMT_NUQ, N_PAGE, N_SIDE, SC_HEAD, SC_STATIC, fp8_lut, side_flags  # noqa: E402
 
 LOG2E = 1.4426950408889634
 
@@ -57,8 +57,8 @@ _C3 = 2 * math.pi - _C1 - _C2
 TWO_PI_C1, TWO_PI_C2, TWO_PI_C3 = tl.constexpr(_C1), tl.constexpr(_C2), tl.constexpr(_C3)
 INV_TWO_PI = tl.constexpr(1 / (2 * math.pi))
 
-# The page table (one int64 row per page: its position, rows, and K's and V's fields) is runtime_check/pages.py's,
-# shared with the CPU kernel (runtime_check/cpu_attention.py).
+# The page table (one int64 row per page: its position, rows, and K's and V's fields) is serving/pages.py's,
+# shared with the CPU kernel (serving/cpu_attention.py).
 SIDE_FIELDS, PAGE_FIELDS = tl.constexpr(N_SIDE), tl.constexpr(N_PAGE)
 
 
@@ -342,7 +342,7 @@ def _max_inv_freq(rotary: torch.nn.Module) -> float:
 def refusal(inp: DecodeInputs) -> str | None:
     """Why the kernel cannot read these inputs exactly, or None when it can: head_dim must be a power of two (its
     tiles), and pre-RoPE keys must lie within the exact range of its RoPE range reduction (max_rope_position). The
-    block-wise torch path (runtime_check/blockwise.py) reads both."""
+    block-wise torch path (serving/blockwise.py) reads both."""
     d = inp.head_dim
     if d < 2 or d & (d - 1):
         return f"head_dim must be a power of two for the kernel, got {d}"
@@ -354,7 +354,7 @@ def refusal(inp: DecodeInputs) -> str | None:
         if last > limit:
             return (f"key position {last} is past the kernel's exact RoPE range: positions 0..{limit} "
                     f"({ROPE_TURNS} turns of the fastest frequency, inv_freq {fastest:g}); the block-wise torch "
-                    f"attention (runtime_check/blockwise.py) reads them")
+                    f"attention (serving/blockwise.py) reads them")
     return None
 
 

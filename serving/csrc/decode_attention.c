@@ -1,6 +1,6 @@
 /* Fused decode attention over the stored cache, on the CPU: one new query token per sequence.
  *
- * Reads one layer's cache where it lies -- the page table of runtime_check/pages.py (per page: position, rows, then
+ * Reads one layer's cache where it lies -- the page table of serving/pages.py (per page: position, rows, then
  * for K and for V the data address and strides, scale / zero addresses and strides, outlier counts, their exclusive
  * prefix sum, indices, values; addresses in elements of each tensor) and the fp16 sink and residual rows -- and,
  * per tile of TILE rows of one (sequence, kv head): unpacks the b-bit codes (little-endian bit stream, code j at
@@ -12,7 +12,7 @@
  * sum. Work items (sequence, kv head, run of rows) run in parallel (OpenMP, the process's runtime: torch's), each
  * leaving (max, sum, accumulator) partials that one pass merges by the same rule.
  *
- * Built by runtime_check/cpu_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off); called through ctypes.
+ * Built by serving/cpu_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off); called through ctypes.
  * The attention's arithmetic is the oracle's (runtime_check/reference.py) up to float32 rounding (summation order);
  * the encoder's (kvcalib_encode, at the end) is the codec's to the bit.
  */

@@ -1,4 +1,4 @@
-"""The fused CPU decode kernel (runtime_check/cpu_attention.py): equal to the oracle within the runtime check's bound
+"""The fused CPU decode kernel (serving/cpu_attention.py): equal to the oracle within the runtime check's bound
 on every exported format (nuq and uniform, token and channel axes and value groups, 2/3/4/8 bits, fp8 per tensor
 and per head, fp16, sparse outliers, SmoothAttention, pre- and post-RoPE keys, sink and residual rows), over many
 pages with work-item and tile boundaries inside encoded rows; planted faults fail the comparison; without the
@@ -10,17 +10,17 @@ import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
 from pipeline.check import eval_ids
-from runtime_check import blockwise, cpu_attention, reference
-from runtime_check.cache import ArtifactCache
+from runtime_check import reference
 from runtime_check.check import RTOL, check_case, compare
-from runtime_check.inputs import from_layer
+from serving import blockwise, cpu_attention
+from serving.cache import ArtifactCache, from_layer
 from stages.hooks import attention_override, eager_attention
 
-from tests.runtime_check.test_blockwise import RECIPES, _policy
+from tests.serving.test_blockwise import RECIPES, _policy
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason=f"the CPU kernel is not built: {cpu_attention.status()['reason']} "
-                                       f"(python -m runtime_check.cpu_attention build)")
+                                       f"(python -m serving.cpu_attention build)")
 
 
 def _paged_inputs(tiny, pol, page: int, context: int = 45, batch: int = 2):
@@ -63,7 +63,7 @@ def _synthetic(fmt: dict, d: int = 16, h_kv: int = 2, g: int = 3, n: int = 37, b
     """A cache of random rows under a hand-made policy (codebooks, static ranges, bounds) in pages of 8."""
     from exporters.codec import encode
     from exporters.layout import PagedRows, store
-    from runtime_check.inputs import DecodeInputs
+    from serving.inputs import DecodeInputs
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -90,7 +90,7 @@ def _synthetic(fmt: dict, d: int = 16, h_kv: int = 2, g: int = 3, n: int = 37, b
         a += m
     sink = tuple(torch.randn(b, h_kv, 1, d, generator=gen).half() for _ in range(2))
     recent = tuple(torch.randn(b, h_kv, 2, d, generator=gen).half() for _ in range(2))
-    from tests.runtime_check.test_triton_attention import rotary
+    from tests.serving.test_triton_attention import rotary
 
     return DecodeInputs(q=torch.randn(b, h_kv * g, d, generator=gen) * 2, scaling=d ** -0.5, key_policy=pk,
                         value_policy=pv, key_rope=fmt.get("rope", "pre"), rotary=rotary(d, fmt.get("rope_kind", "default")), sink=sink,
@@ -223,7 +223,7 @@ def test_the_encoder_stores_the_codecs_bytes(name, n):
     from exporters.codec import encode
     from exporters.layout import store
     from exporters.rope import invert_rope, rotary_tables
-    from tests.runtime_check.test_triton_attention import rotary
+    from tests.serving.test_triton_attention import rotary
 
     spec, rope, smooth = ENCODED[name]
     d, h, b, start = 16, 2, 2, 37

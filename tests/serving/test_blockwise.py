@@ -1,4 +1,4 @@
-"""The block-wise attention (runtime_check/blockwise.py) on the tiny model: equal to the oracle on real K/V within
+"""The block-wise attention (serving/blockwise.py) on the tiny model: equal to the oracle on real K/V within
 the runtime check's tolerance, equal to the materializing cache through generate(), never building a decoded
 copy of the history, and never copying the stored rows (the cache's pages: exporters.layout.PagedRows)."""
 from dataclasses import replace
@@ -8,14 +8,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from exporters.codec import CachePolicy, TensorPolicy, decode, encode
+from exporters.layout import PagedBlock, join, load, slice_rows, store
 from pipeline.check import eval_ids
 from pipeline.config import load_recipe
-from runtime_check import blockwise, reference
-from exporters.layout import PagedBlock, join, load, slice_rows, store
-from runtime_check.blockwise import generate
-from runtime_check.cache import HELD_KINDS, ArtifactCache, ArtifactLayer
+from runtime_check import reference
 from runtime_check.check import RTOL, check_case, compare, record
-from runtime_check.inputs import from_layer
+from serving import blockwise
+from serving.blockwise import generate
+from serving.cache import HELD_KINDS, ArtifactCache, ArtifactLayer, from_layer
 from stages import recipe as recipe_stage
 from stages.base import InputError
 from stages.hooks import attention_override, eager_attention
@@ -94,7 +94,7 @@ def test_the_shared_rope_table_is_the_rotary_modules_own(tiny):
         cos, sin = blockwise.rope_at(rotary, start, n, torch.device("cpu"))
         ref_cos, ref_sin = rotary_tables(rotary, start, n, torch.float32)
         assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0]), (start, n)
-    from runtime_check.rope_tables import _ROPE
+    from serving.rope_tables import _ROPE
 
     assert _ROPE[rotary][1].shape[0] >= 7048
 
@@ -397,7 +397,7 @@ def test_every_reader_reads_the_pages(tiny, calib, name):
         tiny.model(ids[:, :-1], cache=cache)
         with attention_override(tiny.model, capture):
             tiny.model(ids[:, -1:], cache=cache)
-    from runtime_check import triton_attention  # sets Triton's interpreter on a machine without a GPU
+    from serving import triton_attention  # sets Triton's interpreter on a machine without a GPU
 
     for i, layer in enumerate(cache.layers):
         inp = from_layer(layer, *queries[i], tiny.model.model.rotary_emb)
@@ -470,7 +470,7 @@ def test_the_single_token_route():
     on the CPU (where it is built), for a token that reads every row held, and only for inputs the kernel reads
     exactly -- a head_dim not a power of two, or keys rotated past the exact RoPE range (411768 at inv_freq 1),
     take the torch path on CUDA; kernel=False is always the torch path."""
-    from runtime_check import cpu_attention
+    from serving import cpu_attention
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ok, odd, far = _fp16_inputs(16, 100), _fp16_inputs(24, 100), _fp16_inputs(16, 411_766)

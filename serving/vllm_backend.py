@@ -1,6 +1,6 @@
 """kvcalib's vLLM attention backend: vLLM's CPU engine stores K/V in a kvcalib artifact's packed slots and attends
 from them (docs/vllm.md, "The kvcalib vLLM plugin"). Imported only inside vLLM's environment (.venv-vllm), by the
-plugin's entry point (runtime_check/vllm_plugin.py).
+plugin's entry point (serving/vllm_plugin.py).
 
 The backend takes vLLM's CPU_ATTN name (vllm/v1/attention/backends/registry.py register_backend: vLLM's CPU
 platform always selects CPU_ATTN, vllm/platforms/cpu.py get_attn_backend_cls) and serves two kinds of model:
@@ -14,10 +14,10 @@ platform always selects CPU_ATTN, vllm/platforms/cpu.py get_attn_backend_cls) an
     after a page's slots via page_size_padded): vLLM sizes its cache, and reports its capacity, from it;
   * each step's new rows are written into their slots (forward_includes_kv_cache_update): keys rotated back to
     pre-RoPE at their positions (the manifest's RoPE, exporters/rope.py), encoded by the CPU kernel's encoder (the
-    codec's bytes, runtime_check/cpu_attention.py encode_rows) or the codec, packed (exporters/vllm_slots.py
+    codec's bytes, serving/cpu_attention.py encode_rows) or the codec, packed (exporters/vllm_slots.py
     pack_side); positions below n_sink go to the page's sink rows in fp16, post-RoPE;
   * a sequence's single new token attends through the fused CPU kernel reading the slots where they lie (a page
-    table of runtime_check/pages.py's fields with the slot's strides, the outlier lists of fixed capacity read
+    table of serving/pages.py's fields with the slot's strides, the outlier lists of fixed capacity read
     through per-row offsets); a chunk of several tokens (prefill) decodes its sequence's slots with the codec
     (exporters/vllm_slots.py unpack_side, exporters/codec.py decode), applies RoPE and attends causally (SDPA,
     float32) -- both read what is stored, as the serving cache does.
@@ -45,8 +45,8 @@ from exporters.codec import decode, encode
 from exporters.compressed_tensors import ARTIFACT_DIR, is_checkpoint, verify_checkpoint
 from exporters.layout import store
 from exporters.rope import apply_rope, invert_rope, rope_cos_sin
-from runtime_check import cpu_attention
-from runtime_check.pages import N_PAGE, N_SIDE
+from serving import cpu_attention
+from serving.pages import N_PAGE, N_SIDE
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 QUERY_CHUNK = 512    # prefill queries attended per SDPA call

@@ -1,7 +1,7 @@
 """The RoPE tables the readers of the stored cache rotate keys with: one table per rotary module, sliced per block.
 
-Shared by the block-wise torch attention (runtime_check/blockwise.py) and the fused CPU kernel
-(runtime_check/cpu_attention.py), below both (neither imports the other for it).
+Shared by the block-wise torch attention (serving/blockwise.py) and the fused CPU kernel
+(serving/cpu_attention.py), below both (neither imports the other for it).
 """
 from __future__ import annotations
 

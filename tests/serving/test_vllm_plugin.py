@@ -1,4 +1,4 @@
-"""The kvcalib vLLM plugin (runtime_check/vllm_plugin.py, runtime_check/vllm_backend.py) in real vLLM (the CPU build in
+"""The kvcalib vLLM plugin (serving/vllm_plugin.py, serving/vllm_backend.py) in real vLLM (the CPU build in
 .venv-vllm, scripts/install-vllm.sh, which installs the plugin): a packed checkpoint of a tiny random Llama is served
 from its slots -- the slots and both attention paths equal the codec's rows, vLLM reports the capacity the page
 predicts, the plugin holds every layer's tensors of the artifact, a plain model is served exactly as without the

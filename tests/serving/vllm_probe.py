@@ -1,5 +1,5 @@
-"""Run inside vLLM's environment by tests/runtime_check/test_vllm_plugin.py (`.venv-vllm/bin/python
-tests/runtime_check/vllm_probe.py CHECKPOINT OUT`, the repository on PYTHONPATH): the plugin's write and both of its attention paths on one layer's
+"""Run inside vLLM's environment by tests/serving/test_vllm_plugin.py (`.venv-vllm/bin/python
+tests/serving/vllm_probe.py CHECKPOINT OUT`, the repository on PYTHONPATH): the plugin's write and both of its attention paths on one layer's
 slots, against the codec as the oracle, with no engine around them.
 
 Rows of known K (post-RoPE, as vLLM hands them over) and V at scattered positions of three blocks are written by
@@ -21,7 +21,7 @@ import torch
 
 
 def main(folder: str, out: str) -> None:
-    import runtime_check.vllm_backend as vb
+    import serving.vllm_backend as vb
     from exporters import vllm_slots
     from exporters.codec import decode, encode
     from exporters.compressed_tensors import verify_checkpoint

@@ -1,6 +1,6 @@
 """Attention over the stored cache, one block of positions at a time: no full-precision copy of the history.
 
-For one layer (the stored form of runtime_check/cache.py, viewed as runtime_check.inputs.DecodeInputs) and queries
+For one layer (the stored form of serving/cache.py, viewed as serving.inputs.DecodeInputs) and queries
 [B, H_q, T_q, D], the cached rows are read in position order -- fp16 sink rows, the encoded pages, fp16
 residual rows -- in blocks of at most `block` positions that never cross a page. A block of encoded rows is its
 page as stored, or cut from the page's bytes with exporters.layout.slice_rows (its slice of the packed codes,
@@ -11,7 +11,7 @@ multiplied by the SmoothAttention lambda and, for pre-RoPE keys, rotated at thei
 model's own rotary module (float32 tables, as the oracle). Each block's scores (scaling, GQA: query head j reads kv head
 j // (H_q / H_kv), the additive / boolean mask's columns or the causal rule: a query at position p sees rows at
 positions <= p) are merged with the online-softmax rule in float32 -- running max m, running sum l, accumulator
-rescaled by exp(m_old - m_new) -- the algorithm of the Triton kernel (runtime_check/triton_attention.py), in
+rescaled by exp(m_old - m_new) -- the algorithm of the Triton kernel (serving/triton_attention.py), in
 torch, on whatever device the inputs are on.
 
 Working set per block: the decoded K and V [B, H_kv, n, D] (n <= block; per-channel groups round the block to a
@@ -43,9 +43,9 @@ from exporters.codec import CachePolicy, decode
 from exporters.layout import PAGE, StoredBlock, load, n_outliers, outlier_coordinates, pages_of, slice_rows
 from exporters.rope import apply_rope
 from exporters.served_rows import flush_unit
-from runtime_check.cache import BLOCK, ArtifactCache, ArtifactLayer, cache_kwargs, check_batch
-from runtime_check.inputs import DecodeInputs, from_layer
-from runtime_check.rope_tables import _repeated_halves, rope_at
+from serving.cache import BLOCK, ArtifactCache, ArtifactLayer, cache_kwargs, check_batch, from_layer
+from serving.inputs import DecodeInputs
+from serving.rope_tables import _repeated_halves, rope_at
 from stages.base import InputError
 
 __all__ = ["BLOCK", "attend", "decode_attention", "generate", "layer_attention", "serving", "stored_blocks",
@@ -274,7 +274,7 @@ def attend(inp: DecodeInputs, query: torch.Tensor, scaling: float, limit: int, q
     (_fused_op), has each block of rows wholly before its queries attended by torch's fused attention, which
     returns the block's output and log-sum-exp without holding its [T_q, n] scores, merged by the same rule; its
     own rows (q_start == limit: the rows at the queries' positions) as one causal fused call. The same arithmetic
-    up to float rounding (tests/runtime_check/test_blockwise.py); everything else -- single tokens, masks, other
+    up to float rounding (tests/serving/test_blockwise.py); everything else -- single tokens, masks, other
     devices -- the scores of each block in float32, as the Triton kernel."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
@@ -391,11 +391,11 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
     if t_q == 1:
         route = use_kernel(kernel, query.device, layer.start >= offset, inp)
         if route == "triton":
-            from runtime_check import triton_attention
+            from serving import triton_attention
 
             out = triton_attention.decode_attention(inp, device=query.device)[:, :, None]
         elif route == "cpu":
-            from runtime_check import cpu_attention
+            from serving import cpu_attention
 
             out = cpu_attention.decode_attention(inp, stats=stats)[:, :, None]
         else:
@@ -413,7 +413,7 @@ def layer_attention(layer: ArtifactLayer, query: torch.Tensor, key: torch.Tensor
 
 def use_kernel(kernel: bool | None, device: torch.device, reads_every_row: bool, inp: DecodeInputs) -> str | None:
     """Which kernel serves a single-token step: "triton" when asked (kernel=True) or, by default, on CUDA; "cpu"
-    (runtime_check/cpu_attention.py, the fused C kernel) by default on the CPU where it is built; None: this
+    (serving/cpu_attention.py, the fused C kernel) by default on the CPU where it is built; None: this
     module's torch path, the same arithmetic. A kernel only when every row held is one the token reads (the
     kernels read every row they are given) and the kernel reads these inputs exactly (triton_attention.refusal:
     head_dim a power of two, pre-RoPE keys within its exact RoPE range; cpu_attention.refusal). kernel=False:
@@ -421,11 +421,11 @@ def use_kernel(kernel: bool | None, device: torch.device, reads_every_row: bool,
     if kernel is False or not reads_every_row:
         return None
     if kernel or device.type == "cuda":
-        from runtime_check import triton_attention  # imports triton: only where the kernel may run
+        from serving import triton_attention  # imports triton: only where the kernel may run
 
         return "triton" if triton_attention.refusal(inp) is None else None
     if device.type == "cpu":
-        from runtime_check import cpu_attention
+        from serving import cpu_attention
 
         return "cpu" if cpu_attention.refusal(inp) is None else None
     return None
@@ -472,7 +472,7 @@ def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask
     """Generation (greedy, sampling, beam search) with the artifact's cache; refuses padded batches instead of
     mis-rotating them. attention="blockwise" (default) serves it with the block-wise attention (`serving`: no
     decoded copy of the history); "materialize" with the model's own attention over every row decoded. block,
-    prefill, page, prefix: see runtime_check.cache.ArtifactCache. A policy with a prefix serves input_ids after
+    prefill, page, prefix: see serving.cache.ArtifactCache. A policy with a prefix serves input_ids after
     it: the cache already holds the prefix's rows, so generation is given the prefix ids first (transformers
     then feeds only the positions the cache does not hold) and the prefix is cut from the output again."""
     check_batch(attention_mask)

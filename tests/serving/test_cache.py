@@ -7,8 +7,8 @@ from exporters.codec import CachePolicy, CodecError, TensorPolicy, decode, fake_
 from exporters.layout import PAGE, PagedBlock, join, load, pages_of
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
-from runtime_check.blockwise import generate
-from runtime_check.cache import HELD_KINDS, ArtifactCache, check_batch
+from serving.blockwise import generate
+from serving.cache import HELD_KINDS, ArtifactCache, check_batch
 from stages.hooks import rope_tables
 
 
@@ -297,7 +297,7 @@ def test_the_layer_holds_what_served_rows_says(window):
     """Fed in uneven chunks, a layer holds at every step exactly the rows exporters.served_rows gives for its
     length: sink, encoded and residual counts and (sliding layers) its first position."""
     from exporters.served_rows import layer_rows
-    from runtime_check.cache import ArtifactLayer
+    from serving.cache import ArtifactLayer
 
     key = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=2)
     value = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=3)
@@ -355,7 +355,7 @@ def test_a_prefix_policy_is_served_after_its_prefix(tiny):
 def test_cache_kwargs_follows_the_models_argument_name():
     """transformers 5.25 calls the argument `cache`, earlier 5.x `past_key_values`: a wrong name is swallowed by
     **kwargs and the model runs without the cache, so the name is read from the model's own forward."""
-    from runtime_check.cache import cache_kwargs
+    from serving.cache import cache_kwargs
 
     class Old(torch.nn.Module):
         def forward(self, input_ids, past_key_values=None, **kwargs):

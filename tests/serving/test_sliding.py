@@ -8,8 +8,8 @@ import torch
 from exporters.codec import CachePolicy, TensorPolicy
 from exporters.ledger import layer_bytes
 from exporters.served_rows import layer_rows
-from runtime_check.blockwise import serving
-from runtime_check.cache import ArtifactCache, ArtifactLayer
+from serving.blockwise import serving
+from serving.cache import ArtifactCache, ArtifactLayer
 from stages.base import InputError
 
 H, D, WINDOW = 2, 8, 8
