@@ -17,4 +17,4 @@ bench: install
 	$(PY) -m bench.traces --model smollm2 --n-samples 64 --seq-len 1024 --json bench-results/traces-64.json
 
 clean:
-	rm -rf .kvcalib_cache outputs multirun mlruns mlruns.db
+	rm -rf .kvcalib_cache outputs multirun mlruns mlruns.db mlartifacts

@@ -349,7 +349,7 @@ def run_config(smoke: Smoke, name: str):
                     cache_dir=str(smoke.work / name / "cache"))
     cfg.traces.reservoir_size = s.reservoir
     cfg.probes.lengths, cfg.probes.depths = list(s.probe_lengths), [0.5]
-    cfg.sensitivity.buckets = list(s.buckets)
+    cfg.sensitivity.buckets, cfg.sensitivity.seq_len = list(s.buckets), 0  # the map on the whole window
     cfg.gate.enabled = False      # its thresholds judge the full protocol, not a smoke test's few short windows
     cfg.check.enabled = False     # the check:<model> part runs it on the artifact
     cfg.tracking.enabled = False  # no MLflow on the GPU machine

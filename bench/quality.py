@@ -197,13 +197,19 @@ def plain_forward_s(model: torch.nn.Module, ids: torch.Tensor, repeats: int = 3)
     return statistics.median(times)
 
 
+def is_evaluation_stage(name: str) -> bool:
+    """The run's evaluation stages (stages/evaluate.py): the reference, each recipe's, the table."""
+    return name in ("evaluate", "evaluate-reference") or name.startswith("evaluate-recipe-")
+
+
 def evaluation_cost(out: dict) -> dict:
-    """eval_wall_s (the evaluate stage, None when it came from the stage cache), eval_units (recipe x seed x
-    window forwards) and eval_forward_s (plain_forward_s on the first evaluation window, timed now, in this run)."""
-    record = next(r for r in out["runner"].records if r.name == "evaluate")
+    """eval_wall_s (the evaluation's stages -- the reference, every recipe's, the table --, None when any came from
+    the stage cache), eval_units (recipe x seed x window forwards) and eval_forward_s (plain_forward_s on the first
+    evaluation window, timed now, in this run)."""
+    records = [r for r in out["runner"].records if is_evaluation_stage(r.name)]
     lm, ev = out["model"], out["summary"]["evaluation"]
     forward = plain_forward_s(lm.model, out["windows"].eval[:1].to(model_device(lm.model)))
-    wall = record.wall_s if record.status == "computed" else None
+    wall = sum(r.wall_s for r in records) if all(r.status == "computed" for r in records) else None
     return {"eval_wall_s": wall, "eval_units": ev["units"], "eval_forward_s": forward,
             "eval_cost_ratio": None if wall is None else wall / (ev["units"] * forward)}
 

@@ -185,6 +185,7 @@ def run_config(args: argparse.Namespace, preset: str, n_layers: int, cache_dir: 
     cfg.tracking.enabled = False
     cfg.check.enabled = args.check
     cfg.sensitivity.enabled, cfg.probes.enabled, cfg.gate.enabled = args.sensitivity, args.probes, False
+    cfg.sensitivity.seq_len = 0   # the map on the whole window: what is scaled is the window's length
     if args.probes:
         cfg.probes.lengths = [args.eval_seq_len]
     return cfg

@@ -418,6 +418,8 @@ def model_json(spec) -> dict:
     if layer_types:
         out["attention"] = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
         out["rope"]["local"] = {"theta": spec.rope_local_theta, "scaling": json.loads(spec.rope_local_scaling)}
+    if getattr(spec, "source", None):  # where it came from: provenance, never compared (check_model)
+        out["source"] = spec.source
     return out
 
 
@@ -427,9 +429,12 @@ def tokenizer_json(spec) -> dict:
 
 def check_model(manifest: dict, spec) -> None:
     """The served model is the one calibrated: weights, shapes, RoPE (theta, scaling, pairing), positions,
-    architecture and tokenizer; the model's name alone may differ."""
-    served = {"model": {**model_json(spec), "name": manifest["model"]["name"]}, "tokenizer": tokenizer_json(spec)}
-    if found := _difference({k: manifest[k] for k in served}, served, ""):
+    architecture and tokenizer; the model's name and where it was loaded from (model.source) may differ."""
+    recorded = {"model": {k: v for k, v in manifest["model"].items() if k != "source"},
+                "tokenizer": manifest["tokenizer"]}
+    served = {"model": {**{k: v for k, v in model_json(spec).items() if k != "source"},
+                        "name": manifest["model"]["name"]}, "tokenizer": tokenizer_json(spec)}
+    if found := _difference(recorded, served, ""):
         path, ours, theirs = found
         raise ModelMismatchError(f"artifact was calibrated for model {manifest['model']['name']} with "
                                  f"{path[1:]}={ours!r}; the model given has {path[1:]}={theirs!r}")

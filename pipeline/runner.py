@@ -284,8 +284,9 @@ class Runner:
             return decl.fit(ctx, inputs, stage.config, progress)
 
     def table(self) -> str:
-        lines = [f"{'stage':<28} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12}", "-" * 60]
-        lines += [f"{r.name:<28} {r.status:<9} {r.wall_s:>8.1f} {r.peak_rss_mb:>12.0f}" for r in self.records]
+        width = max([28, *(len(r.name) for r in self.records)])  # evaluate-recipe-<name> can be long
+        lines = [f"{'stage':<{width}} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12}", "-" * (width + 32)]
+        lines += [f"{r.name:<{width}} {r.status:<9} {r.wall_s:>8.1f} {r.peak_rss_mb:>12.0f}" for r in self.records]
         return "\n".join(lines)
 
 

@@ -20,6 +20,15 @@ def _describe(p: dict) -> str:
     return out
 
 
+def _source(source: dict | None) -> list[str]:
+    """Where the artifact's model was loaded from (manifest model.source; none in artifacts made before it)."""
+    if not source:
+        return []
+    revision = f", revision {source['revision']}" if source.get("revision") else ""
+    path = f" {source['path']}" if source.get("path") else ""
+    return [f"source     {source['kind']}{path}{revision} (config {source['config']})"]
+
+
 def show_artifact(directory: str | Path) -> str:
     a = load_artifact(directory)
     m = a.manifest
@@ -30,6 +39,7 @@ def show_artifact(directory: str | Path) -> str:
              f"model      {model['name']} {model['architecture']}: {model['n_layers']} layers, {model['n_q_heads']} q heads, "
              f"{model['n_kv_heads']} kv heads, head_dim {model['head_dim']}, RoPE theta {model['rope']['theta']:g} "
              f"({model['rope']['pairing']}) sha256 {model['sha256'][:16]}",
+             *_source(model.get("source")),
              f"tokenizer  sha256 {m['tokenizer']['sha256'][:16]}",
              f"recipe     {m['recipe']}: keys {cache['key_rope']}-RoPE, sink rows {cache['n_sink']}, residual {cache['residual']}, "
              f"smoothing {'yes' if cache['smoothing'] else 'no'}, prefix "

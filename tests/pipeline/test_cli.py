@@ -40,24 +40,122 @@ def test_tiny_run_then_cached_run(tmp_path):
 
 
 @pytest.mark.parametrize("override,pattern", [
-    ("model=nope", "Could not find 'model/nope'"),
-    ("model.bogus=1", "Key 'bogus' not in 'ModelConfig'"),
+    ("model=nope", "unknown model model=nope (no conf/model/nope.yaml); model options: gemma3, llama3,"),
+    ("model.bogus=1", "unknown key model.bogus; valid keys of model: name, source, embedded, path,"),
     ("data.seq_len=1", "data.seq_len must be >= 2 tokens, got 1"),
     ("data.n_samples=0", "data.n_samples must be >= 1, got 0"),
     ("data=local", "data.path"),
     ("quant.value.format=fp16", "quant.value.axis for format fp16 must be one of ('tensor',), got 'token'"),
     ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher', 'query-scale2'), got 'mse'"),
     ("quant.key.bits=5", "quant.key.bits must be one of (2, 3, 4, 8), got 5"),       # an invalid recipe
-    ("eval.recipes=[nope]", "quant recipe must be one of ["),
-    ("fisher.enabled=false", "Key 'enabled' not in 'FisherConfig'"),                 # the field that did nothing
-    ("+fisher.enabled=false", "fisher.enabled (fisher takes recompute)"),             # Hydra adds it; the schema refuses
-    ("+model.bogus=1", "model.bogus (model takes name, source, embedded, path,"),
+    ("eval.recipes=[nope]", "unknown recipe eval.recipes[0]=nope (no conf/quant/nope.yaml); recipes: fp16,"),
+    ("fisher.enabled=false", "unknown key fisher.enabled; valid keys of fisher: recompute"),  # the field that did nothing
+    ("+fisher.enabled=false", "unknown key fisher.enabled; valid keys of fisher: recompute (`+key=value` cannot add"),
+    ("+model.bogus=1", "unknown key model.bogus; valid keys of model: name, source, embedded, path,"),
 ])
 def test_bad_input_is_a_clear_error_and_leaves_nothing(tmp_path, override, pattern):
+    """Refused before Hydra creates a run folder: what the command line's text shows (pipeline/preflight.py), and
+    what only the composed config shows (pipeline.config.validate_run, run on it before Hydra starts)."""
     out = _run(["run", *TINY, override], tmp_path)
     assert out.returncode == EXIT_USER, out.stderr[-2000:]
     assert pattern in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert not (tmp_path / ".kvcalib_cache").exists() or not any((tmp_path / ".kvcalib_cache").rglob("*.safetensors"))
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / ".kvcalib_cache").exists()
+
+
+# Each refusal of `run` as a user meets it: the command line alone, tracking on (so that a run that got as far as
+# MLflow would leave mlruns.db), the message naming the key or option, the nearest names and the valid ones.
+# light: refused from the command line's text (pipeline/preflight.py), without importing torch or MLflow.
+HEAVY = ("torch", "transformers", "mlflow")
+WATCH_IMPORTS = ("import atexit\natexit.register(lambda: print('heavy modules:', [m for m in "
+                 f"{HEAVY!r} if m in sys.modules], file=sys.stderr))")
+REFUSALS = [
+    (["foo=1"], ["unknown key foo; valid keys of the config: model, data, quant, traces,"], True),
+    (["model.pth=x"], ["unknown key model.pth; did you mean model.path? valid keys of model: name, source, "
+                       "embedded, path, gguf_file,"], True),
+    (["data.n_sample=4"], ["unknown key data.n_sample; did you mean data.n_samples", "valid keys of data: name, "
+                           "source, path,"], True),
+    (["quant.key.bitz=4"], ["unknown key quant.key.bitz; did you mean quant.key.bits? valid keys of quant.key: "
+                            "format, bits, axis,"], True),
+    (["model=llama"], ["unknown model model=llama (no conf/model/llama.yaml); did you mean llama3? model options: "
+                       "gemma3, llama3, llama3-shape, smollm2, tiny, tiny-gemma3"], True),
+    (["data=lokal"], ["unknown data data=lokal (no conf/data/lokal.yaml); did you mean local? data options: "
+                      "embedded, hub, local"], True),
+    (["quant=kvquant-4b+sink16+recent12"],
+     ["unknown recipe quant=kvquant-4b+sink16+recent12 (no conf/quant/kvquant-4b+sink16+recent12.yaml); did you "
+      "mean kvquant-4b+sink16+recent128 or ", "(near but evaluation-only, for eval.recipes=[...]: kvquant-4b+rot",
+      "recipes a run exports: fp16, "], False),   # which recipes export: exporters.codec (torch)
+    (["eval.recipes=[fp16,kvquant-4b-1pt]"], ["unknown recipe eval.recipes[1]=kvquant-4b-1pt (no "
+                                              "conf/quant/kvquant-4b-1pt.yaml); did you mean kvquant-4b-1pct"], True),
+    (["-m", "quant=kvquant-4b,kvquant-4bb"], ["unknown recipe quant=kvquant-4bb", "did you mean kvquant-4b"], False),
+    (["model=llama3", "model.path={tmp}/no-such-model"], ["model.path: no such folder {tmp}/no-such-model "
+                                                          "(model.source=hub: "], True),
+    (["model.source=local", "model.path={tmp}/no-such-model"], ["model.path: no such folder {tmp}/no-such-model "
+                                                                "(model.source=local: "], True),
+    (["data=local"], ["data.path: empty; data.source=local reads data.path=FILE_OR_FOLDER"], True),
+    (["data=local", "data.path={tmp}/no-such-text"], ["data.path: no such file or folder {tmp}/no-such-text"], True),
+    # what only the composed config shows: validate_run on it, before Hydra starts (each job of a sweep)
+    (["data.seq_len=1"], ["data.seq_len must be >= 2 tokens, got 1"], False),
+    (["-m", "data.n_samples=2,0"], ["sweep job data.n_samples=0: data.n_samples must be >= 1, got 0"], False),
+]
+
+
+@pytest.mark.parametrize("args,messages,light", REFUSALS, ids=[" ".join(a) for a, _, _ in REFUSALS])
+def test_a_refused_run_leaves_no_run_folder_and_no_mlflow_run(tmp_path, args, messages, light):
+    tmp = tmp_path.resolve()
+    out = _run_planted(WATCH_IMPORTS, ["run", *(a.format(tmp=tmp) for a in args)], tmp)
+    assert out.returncode == EXIT_USER, out.stderr[-2000:]
+    for message in messages:
+        assert message.format(tmp=tmp) in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "hub was not reachable" not in out.stderr
+    assert not (tmp / "outputs").exists() and not (tmp / "multirun").exists() and not (tmp / "mlruns.db").exists()
+    if light:
+        assert "heavy modules: []" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_misspelled_recipe_is_answered_with_exportable_recipes_first(tmp_path):
+    """The nearest names offered for quant= are recipes a run can export; the evaluation-only ones near the word
+    are named apart, and none of vLLM's or transformers' own caches is listed as one to export."""
+    out = _run(["run", "quant=kvquant-4b+rot+sink16"], tmp_path)
+    assert out.returncode == EXIT_USER
+    message = out.stderr.strip().splitlines()[-1]
+    offered = message.split("did you mean ")[1].split("?")[0].split(" or ")
+    assert offered and all("+rot" not in name for name in offered), message
+    exported = message.split("recipes a run exports: ")[1].split(", ")
+    assert "kvquant-4b-1pct" in exported
+    assert not [n for n in exported if n.startswith(("vllm-", "hf-")) or "+rot" in n], exported
+
+
+@pytest.mark.parametrize("command", ["run", "check", "show", "export-vllm", "recommend"])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_command_has_help(tmp_path, command, flag):
+    """`<command> --help`: its usage, arguments and an example, exit 0, before anything loads: no torch, no MLflow,
+    no tracking store created."""
+    out = _run_planted(WATCH_IMPORTS, [command, flag], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"usage: python -m pipeline {command} "), out.stdout[:200]
+    assert "example: python -m pipeline " in out.stdout
+    assert "heavy modules: []" in out.stderr, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["planted.py"]
+
+
+def test_run_help_lists_groups_keys_and_options(tmp_path):
+    out = _run(["run", "--help"], tmp_path)
+    assert out.returncode == 0
+    assert "  model=         gemma3, llama3, llama3-shape, smollm2*, tiny, tiny-gemma3" in out.stdout
+    assert "  data.          name, source, path," in out.stdout and "  quant.         name, key.*, value.*," in out.stdout
+    assert "model=llama3 model.path=DIR" in out.stdout and "-m, --multirun" in out.stdout
+
+
+def test_check_and_export_vllm_help_name_the_model_overrides(tmp_path):
+    for command in ("check", "export-vllm"):
+        out = _run([command, "--help"], tmp_path)
+        assert out.returncode == 0 and "model.<field>=VALUE" in out.stdout and "model.path=" in out.stdout
+
+
+def test_recommend_help_names_its_options(tmp_path):
+    out = _run(["recommend", "--help"], tmp_path)
+    assert out.returncode == 0
+    assert all(o in out.stdout for o in ("--engine vllm|llama.cpp", "--platform cpu|gpu", "--max-ppl-ratio"))
 
 
 def test_recipe_with_only_keys_quantized(tmp_path):
@@ -174,6 +272,9 @@ def test_the_kvcalib_console_script_runs_the_same_commands(tmp_path, make_artifa
     out = _console_script(["--help"], tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("usage: kvcalib <command>"), out.stderr
     assert all(f"\n  {c} " in out.stdout for c in ("run", "check", "show", "export-vllm", "recommend"))
+    assert "`kvcalib <command> --help`" in out.stdout
+    out = _console_script(["show", "--help"], tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("usage: kvcalib show "), out.stderr
     assert _console_script(["nope"], tmp_path).returncode == EXIT_USER
     path = make_artifact("int4-token")
     out = _console_script(["check", str(path), "contexts=[32]", "batches=[1]"], tmp_path)

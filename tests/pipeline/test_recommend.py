@@ -1,5 +1,7 @@
-"""pipeline/recommend.py on hand-made evaluations: the cheapest vLLM format within the gate, per platform."""
+"""pipeline/recommend.py on hand-made summaries: the cheapest vLLM format within the gate per platform, the serve
+line on the run's own model folder, the run's own recipe as a row, the rows that need another run, each note once."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,49 +9,168 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import EXIT_USER, UserError
-from pipeline.recommend import format_recommendation, recommend
+from pipeline.recommend import BITS_NOTE, USAGE, format_recommendation, recommend, recommend_main
 
 ROOT = Path(__file__).resolve().parents[2]
+MODEL = "/models/my-llama"
 
 
 def row(bits, ratio):
     return {"avg_bits": bits, "ppl_ratio": ratio, "ppl_ratio_ci95": [ratio - 0.01, ratio + 0.01]}
 
 
+def source(kind="local", path=MODEL, revision=None, config="llama3"):
+    return {"kind": kind, "path": path, "revision": revision, "config": config,
+            "settings": {"name": config, "source": kind, "path": path}}
+
+
+# the run: the default recipe on the user's Llama folder; its fp8 checkpoint written (an fp8 run's would be)
 SUMMARY = {
-    "model": {"name": "smollm2"},
+    "recipe": "kvquant-4b+sink16+recent128",
+    "model": {"name": "my-llama", "source": source()},
+    "artifact_dir": "/runs/x/artifact",
     "vllm_checkpoint_dir": "/runs/x/vllm-checkpoint",
     "drift": {"gate": {"thresholds": {"max_ppl_ratio": 1.05}}},
-    "evaluation": {"recipes": {
+    "evaluation": {"windows": 8, "seq_len": 1024, "recipes": {
+        "kvquant-4b+sink16+recent128": row(5.94, 1.006),
         "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.008), "vllm-cpu-fp8": row(8.0, 1.034),
         "vllm-int8-per-token-head": row(8.5, 1.001), "vllm-int4-per-token-head": row(4.5, 1.049),
         "vllm-turboquant-3bit-nc": row(5.06, 1.26), "kivi-2": row(3.0, 1.2)}},
 }
+NO_CHECKPOINT = {k: v for k, v in SUMMARY.items() if k != "vllm_checkpoint_dir"}
+
+
+def by_name(rec):
+    return {r["recipe"]: r for r in rec["rows"]}
+
+
+def notes_of(text):
+    """{number: note text} of the numbered notes under the table."""
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^\((\d+)\) (.*)$", text, re.M)}
 
 
 def test_cpu_picks_the_fp8_checkpoint_as_vllm_cpu_serves_it():
     rec = recommend(SUMMARY, "cpu")
     assert rec["pick"]["recipe"] == "vllm-cpu-fp8"
     assert rec["command"] == "vllm serve /runs/x/vllm-checkpoint --kv-cache-dtype fp8"
-    names = [r["recipe"] for r in rec["rows"]]
-    assert "kivi-2" not in names  # not a vLLM format
+    assert "kivi-2" not in by_name(rec)  # neither a vLLM format nor the run's recipe
     text = format_recommendation(rec)
     assert "GPU only: vLLM-cpu 0.32 accepts it but its CPU attention, made for auto, fp8, fp8_e4m3, fp8_e5m2" in text
     assert "vllm serve /runs/x/vllm-checkpoint --kv-cache-dtype fp8" in text
 
 
-def test_gpu_picks_the_cheapest_within_the_gate():
+def test_gpu_picks_the_cheapest_within_the_gate_served_from_the_models_own_folder():
     rec = recommend(SUMMARY, "gpu")
     assert rec["pick"]["recipe"] == "vllm-int4-per-token-head"  # 4.5 bits, 1.049 <= 1.05
-    assert rec["command"] == "vllm serve <smollm2: its Hugging Face folder> --kv-cache-dtype int4_per_token_head"
-    tighter = recommend(SUMMARY, "gpu", max_ppl_ratio=1.01)
-    assert tighter["pick"]["recipe"] == "fp8-e4m3"
+    assert rec["command"] == f"vllm serve {MODEL} --kv-cache-dtype int4_per_token_head"
+    assert recommend(SUMMARY, "gpu", max_ppl_ratio=1.01)["pick"]["recipe"] == "fp8-e4m3"
+    text = format_recommendation(rec)
+    assert f"model: {MODEL})" in text and "<MODEL_DIR>" not in text
 
 
-def test_without_a_checkpoint_the_scaled_fp8_is_not_a_candidate():
-    summary = {k: v for k, v in SUMMARY.items() if k != "vllm_checkpoint_dir"}
-    assert recommend(summary, "cpu")["pick"]["recipe"] == "fp16"
-    assert "needs the run's vLLM checkpoint" in format_recommendation(recommend(summary, "cpu"))
+def test_a_hub_model_is_served_by_its_id_at_the_recorded_revision():
+    summary = {**SUMMARY, "model": {"name": "org/m", "source": source("hub", "org/m", revision="abc123")}}
+    assert recommend(summary, "gpu")["command"] == ("vllm serve org/m --revision abc123 "
+                                                    "--kv-cache-dtype int4_per_token_head")
+
+
+def test_a_model_without_a_folder_is_named_so_with_how_to_get_one_once():
+    summary = {**SUMMARY, "model": {"name": "smollm2", "source": source("embedded", "", config="smollm2")}}
+    rec = recommend(summary, "gpu")
+    assert rec["command"] == "vllm serve <MODEL_DIR> --kv-cache-dtype int4_per_token_head"
+    text = format_recommendation(rec)
+    (n, note), = [(n, t) for n, t in notes_of(text).items() if t.startswith("<MODEL_DIR>")]
+    assert "smollm2 has no Hugging Face folder (model.source=embedded)" in note
+    assert "export-vllm" in note and "model.source=local model.path=DIR" in note
+    assert f"model: <MODEL_DIR> ({n})" in text and text.count("has no Hugging Face folder") == 1
+
+
+def test_the_runs_own_recipe_is_a_row_served_in_python_when_vllm_cannot_hold_it():
+    """The default recipe keeps fp16 recent rows, which no vLLM cache holds: its row says so and how to serve it
+    in Python, and it is not the vLLM pick although it is the cheapest within the gate on a CPU."""
+    rec = recommend(SUMMARY, "cpu")
+    own = by_name(rec)["kvquant-4b+sink16+recent128"]
+    assert own["own"] and own["within_gate"] and not own["platform_ok"] and own["command"] is None
+    assert rec["python"] is own and rec["pick"]["recipe"] == "vllm-cpu-fp8"
+    text = format_recommendation(rec)
+    n = re.search(r"kvquant-4b\+sink16\+recent128 +- \(Python\) +5\.940 +1\.0060 .*this run's artifact \((\d+)\)",
+                  text).group(1)
+    note = notes_of(text)[int(n)]
+    assert "no vLLM cache holds it" in note and "kvquant-4b (packed)" in note  # the nearest recipe vLLM serves
+    assert "from serving import load_artifact, generate; artifact = load_artifact('/runs/x/artifact')" in note
+    assert f"# model: AutoModelForCausalLM.from_pretrained('{MODEL}')" in note
+    assert (f"cheaper within the gate in Python (no vLLM path on this platform): this run's artifact "
+            f"kvquant-4b+sink16+recent128 (5.94 bits) ({n})") in text
+
+
+def test_a_packed_recipe_competes_on_cpu_through_the_plugin_with_its_export_line():
+    summary = {**SUMMARY, "recipe": "kvquant-4b",
+               "evaluation": {**SUMMARY["evaluation"], "recipes": {**SUMMARY["evaluation"]["recipes"],
+                                                                   "kvquant-4b": row(4.3, 1.02)}}}
+    cpu = recommend(summary, "cpu")
+    assert cpu["pick"]["recipe"] == "kvquant-4b" and cpu["pick"]["kv_cache_dtype"] == "auto, plugin"
+    assert cpu["pick"]["prepare"] == "kvcalib export-vllm /runs/x/artifact /runs/x/vllm-packed"
+    assert cpu["command"] == "vllm serve /runs/x/vllm-packed --kv-cache-dtype auto"
+    text = format_recommendation(cpu)
+    assert ("cheapest within the gate: kvquant-4b (4.30 bits)\n  kvcalib export-vllm /runs/x/artifact "
+            "/runs/x/vllm-packed\n  vllm serve /runs/x/vllm-packed --kv-cache-dtype auto") in text
+    gpu = recommend(summary, "gpu")  # the plugin registers nothing on CUDA
+    assert not by_name(gpu)["kvquant-4b"]["platform_ok"] and gpu["pick"]["recipe"] == "vllm-int4-per-token-head"
+    text = format_recommendation(gpu)
+    assert "the plugin registers nothing on CUDA" in text and "cheaper within the gate in Python" in text
+    assert f"AutoModelForCausalLM.from_pretrained('{MODEL}')" in text
+
+
+def test_within_the_gate_but_needs_another_run_says_so_with_the_exact_command():
+    """Without the run's checkpoint a CPU host can serve only fp16 today; vLLM-cpu's fp8 is within the gate after
+    an fp8-e4m3 run with the run's own overrides (its quant ones dropped, the model ones kept)."""
+    overrides = ["model=llama3", f"model.path={MODEL}", "data.n_samples=4", "quant=kvquant-4b+sink16+recent128",
+                 "quant.residual=128", "hydra.run.dir=/somewhere"]
+    rec = recommend(NO_CHECKPOINT, "cpu", overrides=overrides)
+    assert rec["pick"]["recipe"] == "fp16" and rec["command"] == f"vllm serve {MODEL} --kv-cache-dtype auto"
+    assert [r["recipe"] for r in rec["later"]] == ["vllm-cpu-fp8"]
+    assert by_name(rec)["vllm-cpu-fp8"]["needs"] == "run" and by_name(rec)["fp8-e4m3"]["needs"] == "run"
+    text = format_recommendation(rec)
+    command = f"kvcalib run quant=fp8-e4m3 model=llama3 model.path={MODEL} data.n_samples=4"
+    (n, note), = [(n, t) for n, t in notes_of(text).items() if "an fp8-e4m3 run writes" in t]
+    assert f"`{command}`" in note and text.count(command) == 1
+    assert f"cheaper within the gate after another run: vllm-cpu-fp8 (8.00 bits) ({n})" in text
+    assert re.search(rf"vllm-cpu-fp8 .* within gate; needs another run \({n}\)", text)
+
+
+def test_the_rerun_command_comes_from_the_recorded_model_without_overrides():
+    rec = recommend(NO_CHECKPOINT, "cpu")
+    assert f"`kvcalib run quant=fp8-e4m3 model=llama3 model.path={MODEL}`" in format_recommendation(rec)
+    moved = recommend(NO_CHECKPOINT, "cpu", model=["model.path=/elsewhere"])
+    assert moved["command"] == "vllm serve /elsewhere --kv-cache-dtype auto"
+    assert "`kvcalib run quant=fp8-e4m3 model=llama3 model.path=/elsewhere`" in format_recommendation(moved)
+
+
+def test_an_fp8_run_without_its_checkpoint_is_served_after_export_vllm_not_another_run():
+    summary = {**NO_CHECKPOINT, "recipe": "fp8-e4m3"}
+    rec = recommend(summary, "cpu")
+    assert by_name(rec)["fp8-e4m3"]["own"] and rec["pick"]["recipe"] == "vllm-cpu-fp8"
+    assert rec["pick"]["prepare"] == "kvcalib export-vllm /runs/x/artifact /runs/x/vllm-checkpoint"
+    assert rec["command"] == "vllm serve /runs/x/vllm-checkpoint --kv-cache-dtype fp8" and not rec["later"]
+
+
+def test_each_explanation_is_printed_once_as_a_numbered_note():
+    text = format_recommendation(recommend(NO_CHECKPOINT, "cpu"))
+    notes = notes_of(text)
+    assert sorted(notes) == list(range(1, len(notes) + 1))
+    assert all(text.count(note) == 1 for note in notes.values())
+    gpu_only = next(n for n, t in notes.items() if t.startswith("GPU only"))
+    assert text.count(f"GPU only ({gpu_only})") == 3  # int8, int4 and turboquant-3bit refer to it
+    assert text.count(BITS_NOTE) == 1 and "~6 bits on 1k-token windows" in BITS_NOTE
+
+
+def test_a_mixed_policy_is_the_runs_own_row():
+    mixed = row(5.0, 1.01)
+    summary = {**SUMMARY, "mixed": {"layer_policy": {}, "recipe": mixed},
+               "evaluation": {**SUMMARY["evaluation"], "recipes": {**SUMMARY["evaluation"]["recipes"],
+                                                                   "mixed-5b": mixed}}}
+    own = [r for r in recommend(summary, "cpu")["rows"] if r["own"]]
+    assert [(r["recipe"], r["kv_cache_dtype"]) for r in own] == [("mixed-5b", "- (Python)")]
 
 
 def test_bad_input_is_refused_by_name(tmp_path):
@@ -58,12 +179,29 @@ def test_bad_input_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="the run has no evaluation"):
         recommend({"evaluation": {}}, "cpu")
     (tmp_path / "summary.json").write_text(json.dumps(SUMMARY))
+    with pytest.raises(UserError, match="--max-ppl-ratio must be a number .* got 'x'"):
+        recommend_main([str(tmp_path), "--max-ppl-ratio", "x"])
     ok = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path), "--platform", "gpu"],
                         capture_output=True, text=True, cwd=str(ROOT))
     assert ok.returncode == 0 and "int4_per_token_head" in ok.stdout, ok.stderr
     bad = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path / "nope")],
                          capture_output=True, text=True, cwd=str(ROOT))
     assert bad.returncode == EXIT_USER and "has no summary.json" in bad.stderr
+
+
+def test_the_run_folder_gives_the_overrides_and_the_options_parse_both_ways(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(NO_CHECKPOINT))
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(f"- model=llama3\n- model.path={MODEL}\n- data.seed=3\n")
+    text = recommend_main([str(tmp_path), "--platform=cpu", "--max-ppl-ratio", "1.04"])
+    assert "gate: ppl ratio <= 1.04" in text
+    assert f"`kvcalib run quant=fp8-e4m3 model=llama3 model.path={MODEL} data.seed=3`" in text
+
+
+def test_help_documents_every_option():
+    for option in ("--platform cpu|gpu", "--engine vllm|llama.cpp", "--max-ppl-ratio R", "model.<field>=VALUE"):
+        assert option in USAGE
+    assert recommend_main(["--help"]).startswith("usage: python -m pipeline recommend RUN_DIR [--engine")
 
 
 def test_the_long_context_evaluation_decides_when_the_run_has_one():
@@ -84,7 +222,7 @@ def test_a_format_over_the_gate_on_the_short_windows_is_not_picked_for_its_long_
     long = {"windows": 8, "seq_len": 8192, "recipes": {
         "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.004), "vllm-int4-per-token-head": row(4.5, 1.02)}}
     rec = recommend({**SUMMARY, "evaluation": short, "evaluation_long": long}, "gpu")
-    int4 = next(r for r in rec["rows"] if r["recipe"] == "vllm-int4-per-token-head")
+    int4 = by_name(rec)["vllm-int4-per-token-head"]
     assert not int4["within_gate"] and int4["ppl_ratio"] == 1.02 and rec["pick"]["recipe"] == "fp8-e4m3"
 
 
@@ -112,6 +250,7 @@ def test_llamacpp_picks_the_cheapest_type_within_the_gate_with_its_server_line()
     text = format_llamacpp(rec)
     assert "q4_0            4.500     1.0520  [1.0470, 1.0570]   0.9500  over gate" in text
     assert "f16            16.000     1.0000" in text and "reference" in text
+    assert "bits: per element of the type's block layout" in text
     assert "keep llama.cpp's default f16 cache" in format_llamacpp(recommend_llamacpp(LLAMACPP, 1.0001))
 
 

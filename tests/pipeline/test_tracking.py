@@ -29,6 +29,11 @@ TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_sample
 # runs that test only the tracking mechanics skip the runtime check too
 RECORDED = ["quant=fp16", "sensitivity.enabled=false", "probes.enabled=false"]
 LEAN = [*RECORDED, "check.enabled=false"]
+PLUS = "kvquant-4b+sink16+recent128"  # a recipe whose name MLflow's keys cannot hold (`+`)
+# the run folder's report as pipeline/analysis.py writes it, and a file beside it that is not the report's
+REPORT = {"report.md": b"# kvcalib report\n\n![frontier](frontier.png) ![kl](heatmap_kl.png)\n",
+          "frontier.png": b"\x89PNG\r\n\x1a\nfrontier", "heatmap_kl.png": b"\x89PNG\r\n\x1a\nheatmap",
+          "layer_position_map.csv": b"layer,bucket,kl,cos\r\n0,0,0.5,0.9\r\n"}
 mlflow = pytest.importorskip("mlflow")
 
 
@@ -172,11 +177,22 @@ def _summary(artifact_dir: Path) -> dict:
             "fp16": {"ppl": 10.0, "kl": 0.0, "top1": 1.0, "avg_bits": 16.0, "ppl_ratio": 1.0,
                      "ppl_ratio_ci95": [1.0, 1.0], "ppl_seeds": [10.0, 10.0]},
             "kivi-2": {"ppl": 12.5, "kl": 0.25, "top1": 0.75, "avg_bits": 2.5, "ppl_ratio": 1.25,
-                       "ppl_ratio_ci95": [1.1234567890123, 1.3765432109876], "ppl_seeds": [12.25, 12.75]}}},
+                       "ppl_ratio_ci95": [1.1234567890123, 1.3765432109876], "ppl_seeds": [12.25, 12.75]},
+            PLUS: {"ppl": 11.0, "kl": 0.125, "top1": 0.875, "avg_bits": 6.0625, "ppl_ratio": 1.1,
+                   "ppl_ratio_ci95": [1.05, 1.15]}}},
         "runtime_check": {"status": "pass", "max_abs_err": 0.001, "max_rel_err": 0.002},
         "manifest": {"sha256": "f" * 64, "format_version": "1.0"},
         "artifact_dir": str(artifact_dir),
     }
+
+
+def _run_dir(tmp: Path) -> Path:
+    """A run folder as the pipeline leaves it: the report, its plots and CSV, and cli.log (not logged)."""
+    run_dir = tmp / "run"
+    run_dir.mkdir()
+    for name, data in {**REPORT, "cli.log": b"log"}.items():
+        (run_dir / name).write_bytes(data)
+    return run_dir
 
 
 def _out(tmp: Path) -> dict:
@@ -216,7 +232,7 @@ def synthetic(server, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("synthetic")
     cfg = _config(server, experiment="synthetic", run_name="synthetic-provenance-run")
-    with tracked_run(cfg, tmp / "run", log=lambda s: None) as rec:
+    with tracked_run(cfg, _run_dir(tmp), log=lambda s: None) as rec:
         rec.record(_out(tmp))
     return rec.run_id
 
@@ -284,6 +300,7 @@ def test_flatten_and_metrics_are_hand_checkable():
     metrics = summary_metrics(_summary(Path("x")))
     assert metrics["stage.traces.wall_s"] == 1.5 and metrics["stage.traces.peak_rss_mb"] == 100.0
     assert metrics["eval.kivi-2.ppl"] == 12.5 and metrics["eval.kivi-2.avg_bits"] == 2.5
+    assert metrics["eval.kvquant-4b_sink16_recent128.ppl"] == 11.0  # `+` is written `_` (metric_name)
     assert metrics["runtime_check.max_rel_err"] == 0.002 and "runtime_check.status" not in metrics
 
 
@@ -293,7 +310,8 @@ def test_evaluation_table_csv_and_markdown():
     csv_text, md = evaluation_table(_summary(Path("x"))["evaluation"]["recipes"])
     assert csv_text.splitlines() == [
         "recipe,avg_bits,ppl,kl,top1,ppl_ratio,ppl_ratio_ci95_lo,ppl_ratio_ci95_hi,ppl_seeds",
-        'fp16,16,10,0,1,1,1,1,"[10.0, 10.0]"', 'kivi-2,2.5,12.5,0.25,0.75,1.25,1.12346,1.37654,"[12.25, 12.75]"']
+        'fp16,16,10,0,1,1,1,1,"[10.0, 10.0]"', 'kivi-2,2.5,12.5,0.25,0.75,1.25,1.12346,1.37654,"[12.25, 12.75]"',
+        f"{PLUS},6.0625,11,0.125,0.875,1.1,1.05,1.15,"]
     assert md.splitlines()[2] == "| fp16 | 16 | 10 | 0 | 1 | 1 | 1 | 1 | [10.0, 10.0] |"
 
 
@@ -350,17 +368,76 @@ def test_disabled_tracking_touches_no_store(tmp_path, monkeypatch):
     assert rec.run_id is None and not (tmp_path / "mlruns.db").exists() and not (tmp_path / "mlruns").exists()
 
 
-def test_default_store_is_sqlite_and_artifacts_in_working_directory(tmp_path, monkeypatch):
-    from mlflow.tracking import MlflowClient
-
+@pytest.fixture(scope="module")
+def sqlite_run(tmp_path_factory):
+    """A run recorded in the default store (./mlruns.db, no server), from a working directory holding a run folder
+    with its report, of recipe PLUS on a model given as a local folder (`model.source=local model.path=.../my-llama`):
+    (working directory, run id, the lines it logged). The only in-process use of the default URI: MLflow keeps one
+    store per URI, and this one is relative to the working directory."""
     from pipeline.tracking import tracked_run
 
-    monkeypatch.chdir(tmp_path)
-    with tracked_run(_config(None), tmp_path / "run", log=lambda s: None) as rec:
-        rec.record(_out(tmp_path))
-    run = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_run(rec.run_id)  # the default: ./mlruns.db
+    cwd = tmp_path_factory.mktemp("sqlite")
+    (cwd / "my-llama").mkdir()
+    cfg = _config(None)
+    cfg.model.source, cfg.model.path, cfg.quant.name = "local", str(cwd / "my-llama"), PLUS
+    logged, before = [], os.getcwd()
+    os.chdir(cwd)
+    try:
+        with tracked_run(cfg, _run_dir(cwd), log=logged.append) as rec:
+            rec.record(_out(cwd))
+    finally:
+        os.chdir(before)
+    return cwd, rec.run_id, logged
+
+
+def test_default_store_keeps_artifacts_in_mlartifacts_beside_it(sqlite_run):
+    """sqlite:///mlruns.db: the run's artifacts in ./mlartifacts/<experiment>/<run id>/artifacts (no ./mlruns), the
+    report with its plots and CSV under report/ byte for byte, the run named after the model's folder and the recipe."""
+    from mlflow.tracking import MlflowClient
+
+    cwd, run_id, logged = sqlite_run
+    run = MlflowClient(f"sqlite:///{cwd}/mlruns.db").get_run(run_id)  # the default: ./mlruns.db
     assert run.info.status == "FINISHED"
-    assert list(tmp_path.glob(f"mlruns/*/{rec.run_id}/artifacts/kvcache-export-tiny/manifest.json"))
+    artifacts = cwd / "mlartifacts" / "kvcalib" / run_id / "artifacts"
+    assert run.info.artifact_uri == artifacts.as_uri()
+    assert f"artifacts in {artifacts.as_uri()}" in logged[0]
+    assert (artifacts / "kvcache-export-tiny" / "manifest.json").is_file() and not (cwd / "mlruns").exists()
+    assert {p.name: p.read_bytes() for p in (artifacts / "report").iterdir()} == REPORT  # cli.log is not the report
+    assert json.loads((artifacts / "summary.json").read_text())["evaluation"]["recipes"][PLUS]["ppl"] == 11.0
+    assert re.fullmatch(rf"my-llama-{re.escape(PLUS)}-\d{{8}}-\d{{6}}", run.info.run_name), run.info.run_name
+
+
+def test_mlflow_ui_on_the_default_store_serves_the_report(sqlite_run):
+    """The README's `mlflow ui --backend-store-uri sqlite:///mlruns.db`, in the run's working directory: the report
+    and a plot come back over HTTP from mlartifacts/ as the UI's artifact viewer asks for them."""
+    cwd, run_id, _ = sqlite_run
+    port = _free_port()
+    with open(cwd / "ui.log", "w") as log:
+        ui = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", "sqlite:///mlruns.db",
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], cwd=cwd, stdout=log,
+                              stderr=subprocess.STDOUT, env={**_env(), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(ui, url, cwd / "ui.log")
+        for name in ("report.md", "heatmap_kl.png"):
+            with urllib.request.urlopen(f"{url}/get-artifact?path=report/{name}&run_uuid={run_id}", timeout=30) as r:
+                assert r.read() == REPORT[name], name
+    finally:
+        ui.terminate()
+        try:
+            ui.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            ui.kill()
+            ui.wait()
+
+
+def test_artifact_location_is_beside_a_sqlite_database_only():
+    from pipeline.tracking import artifact_location
+
+    assert artifact_location("sqlite:////data/runs/mlruns.db", "kvcalib") == "file:///data/runs/mlartifacts/kvcalib"
+    assert artifact_location("sqlite:////data/mlruns.db?timeout=5", "team a/b") == "file:///data/mlartifacts/team_a_b"
+    assert artifact_location("http://127.0.0.1:5000", "kvcalib") is None  # the server decides
+    assert artifact_location("sqlite:///mlruns.db", "x") == (Path.cwd() / "mlartifacts" / "x").as_uri()
 
 
 def test_unresponsive_store_fails_in_seconds():
@@ -405,6 +482,13 @@ def test_pipeline_run_is_recorded(recorded, client):
     files = _artifacts(client, run_id)
     assert {"config/config.yaml", "config/hydra/overrides.yaml", "summary.json",
             "plots/kv_channels/layer_00.png", "plots/kv_channels/layer_01.png"} <= files
+    from pipeline.tracking import recipes_tag, report_files
+    run_dir = Path(tags["run_dir"])  # the report, its plots and CSV as the run folder holds them
+    assert {f for f in files if f.startswith("report/")} == {f"report/{p.name}" for p in report_files(run_dir)}
+    assert {"report/report.md", "report/frontier.png"} <= files
+    assert tags["recipes"] == recipes_tag(summary["evaluation"]["recipes"])
+    assert tags["model_name"] == summary["model"]["name"]  # the model's own name and where it came from
+    assert (tags["model_source"], tags["model_config"]) == (summary["model"]["source"]["kind"], "tiny")
     if "evaluation" in summary:
         assert {"evaluation/table.csv", "evaluation/table.md", "plots/ppl_vs_bits.png"} <= files
     if "runtime_check" in summary:
@@ -438,6 +522,9 @@ def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
     files = _artifacts(client, synthetic)
     assert {"kvcache-export-tiny/manifest.json", "evaluation/table.csv", "evaluation/table.md",
             "plots/ppl_vs_bits.png", "plots/kv_channels/overview.png"} <= files
+    assert {f for f in files if f.startswith("report/")} == {f"report/{name}" for name in REPORT}
+    report = Path(client.download_artifacts(synthetic, "report/report.md", str(tmp_path)))
+    assert report.read_bytes() == REPORT["report.md"]
     assert {f for f in files if f.startswith("vllm-checkpoint/")} == {
         f"vllm-checkpoint/{n}" for n in ("config.json", "model.safetensors.index.json", "kv_cache_scales.safetensors",
                                          "tokenizer.json", "kvcalib/checkpoint.json")}  # no weight shard
@@ -446,6 +533,43 @@ def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
     summary = _summary(Path("x"))
     _check_datasets(run, summary["data"], {"calibration": [2, 8], "evaluation": [1, 12]})
     _check_table(client, synthetic, summary["evaluation"]["recipes"], tmp_path)
+
+
+def test_a_recipe_is_found_by_its_exact_name(sqlite_run, synthetic, server, client):
+    """The tag `recipes` holds every evaluated recipe's exact name: recipe_filter finds the run by PLUS, `+` and
+    all, in a sqlite store and on a server, and never by a shorter name PLUS begins with; `quant_name` is the
+    run's own recipe."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import recipe_filter
+
+    cwd, run_id, _ = sqlite_run
+    local = MlflowClient(f"sqlite:///{cwd}/mlruns.db")
+    (exp,) = [e.experiment_id for e in local.search_experiments() if e.name == "kvcalib"]
+    run = local.get_run(run_id)
+    assert run.data.tags["recipes"] == f",fp16,kivi-2,{PLUS},"
+    assert recipe_filter(PLUS) == f"tags.recipes LIKE '%,{PLUS},%'"
+    assert [r.info.run_id for r in local.search_runs([exp], recipe_filter(PLUS))] == [run_id]
+    assert [r.info.run_id for r in local.search_runs([exp], f"tags.quant_name = '{PLUS}'")] == [run_id]
+    assert local.search_runs([exp], recipe_filter("kvquant-4b")) == []
+    remote = client.get_run(synthetic)
+    assert [r.info.run_id for r in client.search_runs([remote.info.experiment_id], recipe_filter(PLUS))] == [synthetic]
+    assert remote.data.metrics["eval.kvquant-4b_sink16_recent128.ppl"] == 11.0
+    with pytest.raises(ValueError, match="a,b"):
+        recipe_filter("a,b")
+
+
+def test_docs_search_snippet_runs_as_written(sqlite_run):
+    """docs/mlflow.md's search example, run as written in the working directory of a recorded run: it prints the
+    run found by the recipe's exact name and its metric under the documented spelling."""
+    cwd, run_id, _ = sqlite_run
+    text = (ROOT / "docs" / "mlflow.md").read_text()
+    (snippet,) = re.findall(r"<!-- search example -->\n```python\n(.*?)```", text, re.S)
+    assert PLUS in snippet
+    out = subprocess.run([sys.executable, "-c", snippet], cwd=cwd, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert run_id in out.stdout and "11.0" in out.stdout, out.stdout
 
 
 def test_show_prints_lineage(recorded, synthetic, server, client):
@@ -458,10 +582,46 @@ def test_show_prints_lineage(recorded, synthetic, server, client):
     for expected in (run_id, "FINISHED", tags["git_sha"], tags["model_sha256"], tags["calib_sha256"],
                      "traces.reservoir_size=16", "traces", "config/config.yaml"):
         assert expected in text
-    synthetic_text = show_run(synthetic, server)
-    assert "f" * 64 in synthetic_text and "pass" in synthetic_text and "kivi-2" in synthetic_text
     with pytest.raises(UserError, match="0" * 32):
         show_run("0" * 32, server)
+
+
+def test_show_lays_out_results_in_aligned_columns(synthetic, server, client):
+    """`show <run id>` on the synthetic run, from its stages on, exactly: a header row per table, one row per
+    stage and per recipe (exact names, highest bits first), columns two spaces apart, the report's files."""
+    from pipeline.tracking import show_run
+
+    text = show_run(synthetic, server)
+    artifact_dir = client.get_run(synthetic).data.tags["artifact_dir"]
+    assert text[text.index("\nstages\n") + 1:].splitlines() == [
+        "stages",
+        "  stage   status    key           wall s  peak MB",
+        "  traces  computed  eeeeeeeeeeee     1.5      100",
+        "evaluation",
+        "  recipe                       avg bits     ppl  ppl/fp16  95% interval          KL   top-1",
+        "  fp16                           16.000  10.000    1.0000  [1.0000, 1.0000]  0.0000  1.0000",
+        "  kvquant-4b+sink16+recent128     6.062  11.000    1.1000  [1.0500, 1.1500]  0.1250  0.8750",
+        "  kivi-2                          2.500  12.500    1.2500  [1.1235, 1.3765]  0.2500  0.7500",
+        "  avg bits: what the cache held per K/V element over 1024-token windows, scales, outliers and",
+        "  full-precision sink / recent rows included (a recipe keeping 16 + 128 rows in fp16 costs more bits",
+        "  on short windows than its code width); metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md",
+        "runtime check",
+        "  status  max_abs_err  max_rel_err",
+        "  pass          0.001        0.002",
+        "artifact",
+        f"  folder            {artifact_dir} (the run's artifact kvcache-export-tiny/)",
+        f"  manifest sha256   {'f' * 64}",
+        "  format version    1.0",
+        "report",
+        "  files             report/frontier.png",
+        "                    report/heatmap_kl.png",
+        "                    report/layer_position_map.csv",
+        "                    report/report.md"]
+    header = text[:text.index("\nstages\n")].splitlines()
+    assert header[0] == "MLflow run " + synthetic + " 'synthetic-provenance-run': FINISHED"
+    assert {"code", "model", "data", "config"} <= set(header)
+    for line in header[1:]:  # a section title, or `  label  value` with every value from column 20
+        assert line[0] != " " or (line[18:20] == "  " and line[20] != " "), line
 
 
 def test_store_failure_while_recording_marks_run_failed(server, client, tmp_path, monkeypatch):

@@ -184,3 +184,43 @@ def test_query_chunks_read_only_the_rows_their_queries_see(tiny, tiny_windows, m
     assert torch.allclose(whole, chunked, atol=1e-5, rtol=0)  # the fused path (chunks) vs the materialized one
     ref = evaluate.policy_logprobs(tiny.model, w, _policy("fp16", FP16, FP16))
     assert (whole - ref).abs().max() > 1e-3  # the encoded rows are read: the test can tell a wrong chunk
+
+
+def test_recipes_evaluated_one_by_one_against_a_stored_reference_equal_the_evaluation_of_all_at_once(
+        tiny, tiny_windows, calib):
+    """The run's stages (evaluate-reference, evaluate-recipe-<name> each, evaluate putting them together) give the
+    very figures and window NLLs fit gives for the recipes together -- ratios, intervals, KL, bits, per-seed
+    perplexities -- with the reference's hidden states computed once and read by every recipe."""
+    import json
+
+    from stages.base import Context
+
+    ctx = Context(tiny.model, tiny.spec, tiny.tokenizer, tiny_windows.calib, tiny_windows.eval)
+    names = ["fp16", "int4-token", "kivi-2", "fp8-e4m3"]
+    recipes = {n: _served_policy(tiny, calib, n) for n in names}
+    cfg = evaluate.EvalConfig(recipes=names, perturb_seeds=[1, 2])
+    together = evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, tiny_windows.eval, list(recipes.values())), cfg)
+    ref = evaluate.REFERENCE.fit(ctx, {}, evaluate.ReferenceJob(), lambda n=1: None)
+    assert ref.tensors["hidden"].shape == (*tiny_windows.eval.shape, tiny.model.config.hidden_size)
+    parts = [evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, tiny_windows.eval, [p]), cfg,
+                          ref_hidden=ref.tensors["hidden"]) for p in recipes.values()]
+    one_by_one = evaluate.combine(parts, cfg)
+    assert json.dumps(one_by_one.meta) == json.dumps(together.meta)  # every figure, in the same order
+    assert list(one_by_one.tensors) == list(together.tensors)
+    assert all(torch.equal(one_by_one.tensors[k], together.tensors[k]) for k in together.tensors)
+    assert together.meta["recipes"]["int4-token"]["ppl_ratio"] != 1.0  # a recipe the reference can tell apart
+    with pytest.raises(ValueError, match=r"reference's hidden states are for \(1, 48\) windows x positions"):
+        evaluate.fit(evaluate.Inputs(tiny.model, tiny.spec, tiny_windows.eval, [recipes["fp16"]]), cfg,
+                     ref_hidden=ref.tensors["hidden"][:1])
+
+
+def test_a_recipes_key_holds_its_recipe_and_the_evaluation_knobs_not_the_other_recipes():
+    """recipe_job: the comparison list narrowed to the recipe itself, every other knob as configured."""
+    from pipeline.config import load_recipe
+
+    q = load_recipe("kivi-2")
+    a = evaluate.recipe_job(evaluate.EvalConfig(recipes=["fp16", "kivi-2"], perturb_seeds=[3]), q)
+    b = evaluate.recipe_job(evaluate.EvalConfig(recipes=["kivi-2", "fp8-e4m3", "kivi-4"], perturb_seeds=[3]), q)
+    assert a == b and a.eval.recipes == ["kivi-2"] and a.eval.perturb_seeds == [3]
+    assert evaluate.RECIPE(a).name == evaluate.recipe_stage(q) == "evaluate-recipe-kivi-2"
+    assert evaluate.RECIPE(a).deps == ("evaluate-reference", "traces")
