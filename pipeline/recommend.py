@@ -83,9 +83,6 @@ FP8_RUN = "fp8-e4m3"        # the recipe whose run writes the vLLM checkpoint th
 PACKED_DIR = "vllm-packed"  # where a packed checkpoint goes in a run folder (as the run's closing lines name it)
 MODEL_DIR = "<MODEL_DIR>"   # the serve target of a model without a Hugging Face folder (a note says how to get one)
 OWN, RERUN = "this run's artifact", "needs another run"   # the verdict tags the pick lines refer to again
-BITS_NOTE = ("bits: the cache's bytes x 8 per cached K/V element, averaged over the evaluation window (codes, scales, "
-             "outliers, and the sink / recent rows a recipe keeps at 16 bits): a \"4b\" recipe with 16 sink + 128 "
-             "recent rows shows ~6 bits on 1k-token windows, nearer 4 on long ones")
 
 
 def gate_limit(summary: dict, max_ppl_ratio: float | None) -> float:
@@ -438,6 +435,8 @@ def format_recommendation(rec: dict) -> str:
         r = rec["python"]
         lines.append(f"cheaper within the gate in Python (no vLLM path on this platform): this run's artifact "
                      f"{r['recipe']} ({r['avg_bits']:.2f} bits) {notes.ref(dict(r['remarks'])[OWN])}")
+    from stages.evaluate import BITS_NOTE  # the one explanation of the bits column (imported here: --help stays light)
+
     return "\n".join(lines + [BITS_NOTE] + notes.lines())
 
 

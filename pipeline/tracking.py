@@ -839,6 +839,8 @@ def _run_recipes(t: dict, m: dict) -> list[str]:
 def _show_evaluation(t: dict, m: dict, seq_len: str) -> list[str]:
     """The evaluation table, one row per recipe by its exact name, sorted by average bits (highest first), and
     what its bits column counts (exporters/ledger.py: the bits the evaluated cache held per element)."""
+    from stages.evaluate import BITS_NOTE  # the one explanation of the bits column
+
     rows = []
     for recipe in _run_recipes(t, m):
         key = f"eval.{metric_name(recipe)}."
@@ -851,9 +853,8 @@ def _show_evaluation(t: dict, m: dict, seq_len: str) -> list[str]:
     header = ["recipe", *(h for h, _, _ in _EVAL_COLUMNS[:3]), "95% interval", *(h for h, _, _ in _EVAL_COLUMNS[3:])]
     body = [cells for _, _, cells in sorted(rows, key=lambda row: row[:2])]
     return ["evaluation", *aligned(header, body, right={1, 2, 3, 5, 6}),
-            f"  avg bits: what the cache held per K/V element over {seq_len}-token windows, scales, outliers and",
-            "  full-precision sink / recent rows included (a recipe keeping 16 + 128 rows in fp16 costs more bits",
-            "  on short windows than its code width); metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md"]
+            f"  windows of {seq_len} tokens; {BITS_NOTE}",
+            "  metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md"]
 
 
 def _show_results(p: dict, t: dict, m: dict, report: list[str]) -> list[str]:

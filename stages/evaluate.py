@@ -410,9 +410,14 @@ def combine(parts: list[StageResult], cfg: EvalConfig) -> StageResult:
     return StageResult(tensors, _meta(recipes, first.meta["windows"], first.meta["seq_len"], units, cfg))
 
 
+BITS_NOTE = ("avg_bits: the cache's bytes x 8 per cached K/V element, averaged over the evaluation window (codes, "
+             "scales, outliers, and the sink / recent rows a recipe keeps at 16 bits): a \"4b\" recipe with 16 sink + "
+             "128 recent rows shows ~6 bits on 1k-token windows, nearer 4 on long ones")   # the one explanation
+
+
 def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
     """The comparison table, sorted by average bits; ppl/fp16 is the ratio on the same windows with its 95%
-    interval when the evaluation computed one."""
+    interval when the evaluation computed one; BITS_NOTE under it."""
     ref_ppl = recipes.get(reference, {}).get("ppl")
     width = max([22, *(len(n) + 1 for n in recipes)])
     head = (f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'95% interval':>17} {'KL':>8} "
@@ -429,7 +434,7 @@ def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
         sparse = f"{100 * r['outlier_fraction_k']:.2f}/{100 * r['outlier_fraction_v']:.2f}"
         lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {interval:>17} "
                      f"{r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
-    return "\n".join(lines)
+    return "\n".join(lines + [BITS_NOTE])
 
 
 # The run's evaluation as stages (pipeline.app.stage_graph): REFERENCE once, RECIPE once per recipe (each keyed

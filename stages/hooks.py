@@ -16,8 +16,6 @@ from typing import Callable, Iterator
 import torch
 
 from exporters.rope import layer_rotaries, rotary_tables
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 
 ATTN_NAME = "kvcalib"
 SERVE_NAME = "kvcalib-serve"  # the same dispatch, with serving_mask: None for a causal, unpadded batch
@@ -35,11 +33,16 @@ _REGISTERED: list[bool] = []
 
 
 def serving_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function: Callable = causal_mask_function, attention_mask: torch.Tensor | None = None,
+                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                  local_size: int | None = None, **kwargs) -> torch.Tensor | None:
     """The mask of the serving attention: None when every query sees exactly the positions up to its own (causal,
     no padding, no local window) -- the attention applies that rule by position and never holds a [T_q, T_k]
-    mask -- else transformers' boolean [B, 1, T_q, T_k] mask (True: attended)."""
+    mask -- else transformers' boolean [B, 1, T_q, T_k] mask (True: attended). mask_function None: causal.
+    (transformers is imported here and in register_attention, not at the top: importing the stages' configs --
+    what validating a command line needs -- stays light.)"""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    mask_function = causal_mask_function if mask_function is None else mask_function
     if mask_function is causal_mask_function and local_size is None and (attention_mask is None
                                                                         or bool(attention_mask.all())):
         return None
@@ -57,6 +60,9 @@ def register_attention() -> None:
     """Register the dispatching attention with transformers under ATTN_NAME (eager additive float masks) and
     SERVE_NAME (serving_mask); idempotent."""
     if not _REGISTERED:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
         AttentionInterface.register(ATTN_NAME, _dispatch)
         AttentionMaskInterface.register(ATTN_NAME, eager_mask)
         AttentionInterface.register(SERVE_NAME, _dispatch)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import EXIT_USER, UserError
-from pipeline.recommend import BITS_NOTE, USAGE, format_recommendation, recommend, recommend_main
+from pipeline.recommend import USAGE, format_recommendation, recommend, recommend_main
+from stages.evaluate import BITS_NOTE
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "/models/my-llama"
@@ -138,12 +139,16 @@ def test_within_the_gate_but_needs_another_run_says_so_with_the_exact_command():
     assert re.search(rf"vllm-cpu-fp8 .* within gate; needs another run \({n}\)", text)
 
 
-def test_the_rerun_command_comes_from_the_recorded_model_without_overrides():
+def test_the_rerun_command_comes_from_the_recorded_model_without_overrides(tmp_path):
     rec = recommend(NO_CHECKPOINT, "cpu")
     assert f"`kvcalib run quant=fp8-e4m3 model=llama3 model.path={MODEL}`" in format_recommendation(rec)
-    moved = recommend(NO_CHECKPOINT, "cpu", model=["model.path=/elsewhere"])
-    assert moved["command"] == "vllm serve /elsewhere --kv-cache-dtype auto"
-    assert "`kvcalib run quant=fp8-e4m3 model=llama3 model.path=/elsewhere`" in format_recommendation(moved)
+    elsewhere = tmp_path / "elsewhere"  # the folder moved: it must exist (a missing one is refused, by name)
+    elsewhere.mkdir()
+    moved = recommend(NO_CHECKPOINT, "cpu", model=[f"model.path={elsewhere}"])
+    assert moved["command"] == f"vllm serve {elsewhere} --kv-cache-dtype auto"
+    assert f"`kvcalib run quant=fp8-e4m3 model=llama3 model.path={elsewhere}`" in format_recommendation(moved)
+    with pytest.raises(UserError, match="model.path: no such folder /nowhere"):
+        recommend(NO_CHECKPOINT, "cpu", model=["model.path=/nowhere"])
 
 
 def test_an_fp8_run_without_its_checkpoint_is_served_after_export_vllm_not_another_run():

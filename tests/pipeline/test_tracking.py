@@ -590,6 +590,7 @@ def test_show_lays_out_results_in_aligned_columns(synthetic, server, client):
     """`show <run id>` on the synthetic run, from its stages on, exactly: a header row per table, one row per
     stage and per recipe (exact names, highest bits first), columns two spaces apart, the report's files."""
     from pipeline.tracking import show_run
+    from stages.evaluate import BITS_NOTE
 
     text = show_run(synthetic, server)
     artifact_dir = client.get_run(synthetic).data.tags["artifact_dir"]
@@ -602,9 +603,8 @@ def test_show_lays_out_results_in_aligned_columns(synthetic, server, client):
         "  fp16                           16.000  10.000    1.0000  [1.0000, 1.0000]  0.0000  1.0000",
         "  kvquant-4b+sink16+recent128     6.062  11.000    1.1000  [1.0500, 1.1500]  0.1250  0.8750",
         "  kivi-2                          2.500  12.500    1.2500  [1.1235, 1.3765]  0.2500  0.7500",
-        "  avg bits: what the cache held per K/V element over 1024-token windows, scales, outliers and",
-        "  full-precision sink / recent rows included (a recipe keeping 16 + 128 rows in fp16 costs more bits",
-        "  on short windows than its code width); metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md",
+        f"  windows of 1024 tokens; {BITS_NOTE}",
+        "  metrics eval.<recipe>.<column>, `+` written `_`: docs/mlflow.md",
         "runtime check",
         "  status  max_abs_err  max_rel_err",
         "  pass          0.001        0.002",
