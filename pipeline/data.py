@@ -64,10 +64,7 @@ def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
         calib, evaluation = _halves("\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
         return calib, evaluation, "embedded:pydoc_data.topics (first half calib, second half eval)"
     if cfg.source == "local":
-        path = Path(cfg.path).expanduser()
-        if not cfg.path or not path.exists():
-            raise UserError(f"data.path={cfg.path!r} does not exist; give a .txt/.jsonl file or a folder "
-                            f"holding {cfg.calib_file} and {cfg.eval_file}")
+        path = Path(cfg.path).expanduser()  # present: validate_data refused a missing one (preflight.check_data_path)
         if path.is_dir():
             calib_path, eval_path = text_file(cfg, True), text_file(cfg, False)
             for p in (calib_path, eval_path):

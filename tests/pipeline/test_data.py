@@ -39,7 +39,7 @@ def test_bad_data_config(field, value, pattern):
 
 
 def test_missing_and_empty_paths(tmp_path):
-    with pytest.raises(UserError, match="does not exist"):
+    with pytest.raises(UserError, match="data.path: no such file or folder .*nope.txt"):
         load_texts(DataConfig(source="local", path=str(tmp_path / "nope.txt")))
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
