@@ -203,21 +203,13 @@ def option_values(group: str, option: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def exportable_recipes() -> tuple[str, ...]:
-    """The recipes a run can export as its own quant=: stages.recipe.check_exportable_recipe's rule -- no serving
-    library's own cache (quant.engine), key and value in a format and axis the artifact takes, without an
-    evaluation-only rounding or rotation (exporters.codec TensorPolicy.is_exportable) -- applied to the YAML
-    files, so that it imports exporters.codec (torch, about a second) but not the stages (transformers). Read
-    only when a recipe is misspelled; tests/pipeline/test_preflight.py holds it equal to the stages' rule."""
-    from exporters.codec import TensorPolicy
+    """The recipes a run can export as its own quant=: stages.recipe.is_exportable_recipe, the one rule, on every
+    conf/quant recipe. Read only when a recipe is misspelled (it imports torch: about a second; the stages import
+    transformers only when they register their attention, so not here)."""
+    from pipeline.config import load_recipe
+    from stages.recipe import is_exportable_recipe
 
-    out = []
-    for name in group_options("quant"):
-        values = option_values("quant", name)
-        if (values.get("engine") or {}).get("library"):
-            continue
-        if all(TensorPolicy(**(values.get(kind) or {})).is_exportable for kind in ("key", "value")):
-            out.append(name)
-    return tuple(out)
+    return tuple(name for name in group_options("quant") if is_exportable_recipe(load_recipe(name)))
 
 
 # ------------------------------------------------------------------------------------------------ messages
