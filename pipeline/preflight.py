@@ -206,10 +206,14 @@ def exportable_recipes() -> tuple[str, ...]:
     """The recipes a run can export as its own quant=: stages.recipe.is_exportable_recipe, the one rule, on every
     conf/quant recipe. Read only when a recipe is misspelled (it imports torch: about a second; the stages import
     transformers only when they register their attention, so not here)."""
-    from pipeline.config import load_recipe
-    from stages.recipe import is_exportable_recipe
+    from omegaconf import OmegaConf
 
-    return tuple(name for name in group_options("quant") if is_exportable_recipe(load_recipe(name)))
+    from stages.recipe import QuantConfig, is_exportable_recipe
+
+    def recipe(name: str) -> QuantConfig:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), option_values("quant", name)))
+
+    return tuple(name for name in group_options("quant") if is_exportable_recipe(recipe(name)))
 
 
 # ------------------------------------------------------------------------------------------------ messages
