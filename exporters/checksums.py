@@ -10,10 +10,15 @@ import torch
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+        return sha256_stream(f, chunk)
+
+
+def sha256_stream(f, chunk: int = 1 << 22) -> str:
+    """sha256 of what is left to read in a binary file object, read `chunk` bytes at a time."""
+    h = hashlib.sha256()
+    while block := f.read(chunk):
+        h.update(block)
     return h.hexdigest()
 
 

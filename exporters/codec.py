@@ -220,6 +220,9 @@ class CachePolicy:
     # a serving library's own cache run as that library (stages.engine_cache; evaluation only, never exported):
     # its settings, e.g. {"library": "transformers", "backend": "hqq", "nbits": 4, ...}; the layers are fp16
     engine: dict | None = None
+    # the model the policy was calibrated for, as its artifact states it (exporters.manifest.model_binding: layers,
+    # heads, head_dim, RoPE); None for a policy built in memory. A serving cache refuses a model that differs.
+    model: dict | None = None
 
     @property
     def is_full_precision(self) -> bool:

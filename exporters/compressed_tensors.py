@@ -12,7 +12,8 @@ A vLLM checkpoint folder (docs/vllm.md) is a Hugging Face model folder plus the 
   config_groups: {}, ignore: [], quantization_status: "compressed", kv_cache_scheme: {num_bits: 8, type: "float",
   strategy: "tensor", symmetric: true, dynamic: false}}`;
 - the tokenizer files, and `kvcalib/`: the native artifact (manifest.json + tensors.safetensors) the scales come
-  from, with `kvcalib/checkpoint.json` listing every file of the folder with its sha256 (verify_checkpoint).
+  from, with `kvcalib/checkpoint.json` listing every file of the folder with its sha256 and size
+  (verify_checkpoint: each a regular file inside the folder, read as untrusted input).
 
 Scales come from calibration, never defaults: an all-one scale set is refused (the silent-default failure).
 Per-head scales (strategy attn_head) are written only by `kv_scale_tensors` for other consumers; the checkpoint
@@ -26,21 +27,26 @@ under kvcalib/.
 """
 from __future__ import annotations
 
-import json
+import os
+import stat
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 
 from exporters import vllm_slots
-from exporters.artifact import MANIFEST_FILE, load_folder
-from exporters.checksums import sha256_file
+from exporters.artifact import (MANIFEST_FILE, MAX_JSON_BYTES, file_kind, load_folder, open_folder, open_regular,
+                                parse_json_object, read_inside, refuse_holes, relative_parts)
+from exporters.checksums import sha256_file, sha256_stream
 from exporters.manifest import ChecksumError, ManifestError
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ARTIFACT_DIR = "kvcalib"              # the native artifact inside a checkpoint folder
 RECORD_FILE = "checkpoint.json"       # kvcalib/checkpoint.json: every file of the folder with its sha256
+RECORD_FORMAT = "kvcalib-vllm-checkpoint"
+MAX_SCALES_BYTES = 16 << 20           # kv_cache_scales.safetensors: 2 float32 per layer, under 200 KB for 1024 layers
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
 SCALE_NAMES = ("k_scale", "v_scale")
 MAX_REFUSALS = 4                    # refusal lines a message names before "..."
@@ -193,66 +199,174 @@ def checkpoint_kind(policy) -> str:
 
 
 def file_record(directory: Path) -> dict:
-    """kvcalib/checkpoint.json's content: {"files": {relative path: sha256}} for every file but the record."""
+    """kvcalib/checkpoint.json's content: {"format", "files": {relative path: sha256}, "sizes": {relative path:
+    bytes}} for every file but the record (sizes: so that a reader refuses a changed file before hashing it)."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix()
                    != f"{ARTIFACT_DIR}/{RECORD_FILE}")
-    return {"format": "kvcalib-vllm-checkpoint", "files": {p.relative_to(directory).as_posix(): sha256_file(p)
-                                                          for p in files}}
+    rel = {p: p.relative_to(directory).as_posix() for p in files}
+    return {"format": RECORD_FORMAT, "files": {rel[p]: sha256_file(p) for p in files},
+            "sizes": {rel[p]: p.stat().st_size for p in files}}
+
+
+def _shown(value, limit: int = 120) -> str:
+    """An untrusted value for a message: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def read_record(dir_fd: int, where: str) -> dict[str, tuple[str, int | None]]:
+    """kvcalib/checkpoint.json of the folder `dir_fd` -> {relative path: (sha256, size or None)}, refused
+    (CheckpointError naming the field) unless it is a JSON object of RECORD_FORMAT whose every path stays inside the
+    folder (exporters.artifact.relative_parts: checked on the text alone, before any file is looked up) with 64
+    lowercase hex digits, and, when `sizes` is recorded (not in records written before it), a size >= 0 for each
+    path. A record written before sizes were recorded has none: its files are hashed whole."""
+    name = f"{ARTIFACT_DIR}/{RECORD_FILE}"
+    raw = read_inside(dir_fd, name, MAX_JSON_BYTES, where, "a record lists one line per file of the folder")
+    if raw is None:
+        raise CheckpointError(f"no {name} in {where!r}: not a kvcalib vLLM checkpoint")
+    record = parse_json_object(raw, name, CheckpointError)
+    extra = sorted(set(record) - {"format", "files", "sizes"})
+    if record.get("format") != RECORD_FORMAT or extra:
+        raise CheckpointError(f"{name}: allowed members format ({RECORD_FORMAT!r}), files and sizes; got format "
+                              f"{_shown(record.get('format'))}" + (f" and members {_shown(extra)}" if extra else ""))
+    files, sizes = record.get("files"), record.get("sizes")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{name} files: allowed a non-empty object {{relative path: sha256}}, got "
+                              f"{_shown(files)}")
+    for rel, digest in files.items():  # every path first: none may leave the folder, whatever else is wrong
+        relative_parts(rel, f"{name} files")
+        if not isinstance(digest, str) or len(digest) != 64 or set(digest) - set("0123456789abcdef"):
+            raise CheckpointError(f"{name} files[{_shown(rel)}]: allowed 64 lowercase hex digits (sha256), got "
+                                  f"{_shown(digest)}")
+    if sizes is not None and (not isinstance(sizes, dict) or set(sizes) != set(files)):
+        raise CheckpointError(f"{name} sizes: allowed an object {{relative path: bytes}} with the paths of files, got "
+                              f"{_shown(sizes)}")
+    for rel, size in (sizes or {}).items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CheckpointError(f"{name} sizes[{_shown(rel)}]: allowed an integer >= 0, got {_shown(size)}")
+    return {rel: (digest, None if sizes is None else sizes[rel]) for rel, digest in files.items()}
+
+
+def _verify_file(dir_fd: int, rel: str, digest: str, size: int | None, where: str, hash_files: bool) -> None:
+    """One recorded file: a regular file inside the folder (exporters.artifact.open_regular: no symbolic link on the
+    way, nothing but a regular file), its size as recorded and not sparse (both before a byte is hashed), then its
+    sha256 (hash_files)."""
+    fd = open_regular(dir_fd, rel, where)
+    if fd is None:
+        raise CheckpointError(f"{rel}: listed in {ARTIFACT_DIR}/{RECORD_FILE} but missing from {where!r}")
+    try:
+        st = os.fstat(fd)
+        if size is not None and st.st_size != size:
+            raise ChecksumError(f"{rel}: sha256 differs from {ARTIFACT_DIR}/{RECORD_FILE} (its size already does, "
+                                f"found before hashing: {st.st_size} bytes, recorded {size})")
+        refuse_holes(st, rel, where)
+        if hash_files:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                if sha256_stream(f) != digest:
+                    raise ChecksumError(f"{rel}: sha256 differs from {ARTIFACT_DIR}/{RECORD_FILE}")
+    finally:
+        os.close(fd)
+
+
+def _read_json(dir_fd: int, name: str, where: str) -> dict:
+    raw = read_inside(dir_fd, name, MAX_JSON_BYTES, where, "a model folder's JSON files are far smaller")
+    if raw is None:
+        raise CheckpointError(f"{name}: missing from {where!r}")
+    return parse_json_object(raw, name, CheckpointError)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _scales(dir_fd: int, where: str) -> dict[str, torch.Tensor]:
+    """kv_cache_scales.safetensors' tensors, read as any recorded file (inside, regular, bounded)."""
+    raw = read_inside(dir_fd, SCALES_FILE, MAX_SCALES_BYTES, where, "one float per layer and K / V")
+    if raw is None:
+        raise CheckpointError(f"{SCALES_FILE}: missing from {where!r}")
+    try:
+        return load_safetensors(raw)
+    except Exception as exc:  # noqa: BLE001 -- a file with the recorded checksum but unreadable: refuse
+        raise CheckpointError(f"{SCALES_FILE} could not be read: {type(exc).__name__}") from None
 
 
 def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True):
-    """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.artifact); every
-    file of the folder against kvcalib/checkpoint.json (none missing, none changed, none added at the top level);
-    config.json's `architectures`; then per kind (checkpoint_kind of the artifact's policy): fp8: config.json's
-    quantization_config, the index listing every scale in the scales file, and the scales themselves equal to the
-    artifact's; packed: no quantization_config in config.json, no scales file in the folder nor in the index.
-    Raises CheckpointError / ChecksumError naming what differs. hash_files=False: the files are checked present
-    but not re-hashed (the writer, whose record was just hashed from those very files)."""
+    """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.artifact, from
+    kvcalib/, a real folder of the checkpoint); every file of the folder against kvcalib/checkpoint.json (none
+    missing, none changed, none added at the top level; each a regular file inside the folder, its size checked
+    before it is hashed); config.json's `architectures`; then per kind (checkpoint_kind of the artifact's policy):
+    fp8: config.json's quantization_config, the index listing every scale in the scales file, and the scales
+    themselves equal to the artifact's; packed: no quantization_config in config.json, no scales file in the folder
+    nor in the index. Every file is read through one descriptor of the folder, as untrusted input (read_inside).
+    Raises CheckpointError / ChecksumError / another ManifestError naming what differs. hash_files=False: the files
+    are checked present, regular and of their recorded size but not re-hashed (the writer, whose record was just
+    hashed from those very files)."""
     directory = Path(directory)
-    artifact = load_folder(directory / ARTIFACT_DIR, spec)
-    record_path = directory / ARTIFACT_DIR / RECORD_FILE
-    if not record_path.is_file():
-        raise CheckpointError(f"no {ARTIFACT_DIR}/{RECORD_FILE} in {str(directory)!r}: not a kvcalib vLLM checkpoint")
-    record = json.loads(record_path.read_text())["files"]
-    for rel, digest in record.items():
-        path = directory / rel
-        if not path.is_file():
-            raise CheckpointError(f"{rel}: listed in {ARTIFACT_DIR}/{RECORD_FILE} but missing from {str(directory)!r}")
-        if hash_files and sha256_file(path) != digest:
-            raise ChecksumError(f"{rel}: sha256 differs from {ARTIFACT_DIR}/{RECORD_FILE}")
-    added = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in record)
-    if added:
-        raise CheckpointError(f"files not in {ARTIFACT_DIR}/{RECORD_FILE}: {added} (a serving engine might load them)")
+    where = str(directory)
+    dir_fd = open_folder(directory, where)
+    if dir_fd is None:
+        raise CheckpointError(f"no such folder {where!r}")
+    try:
+        try:
+            mode = os.stat(ARTIFACT_DIR, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            mode = None
+        if mode is not None and not stat.S_ISDIR(mode):
+            raise CheckpointError(f"{where}: {ARTIFACT_DIR} is {file_kind(mode)}; allowed a folder inside the "
+                                  f"checkpoint (no symbolic link)")
+        artifact = load_folder(directory / ARTIFACT_DIR, spec)
+        record = read_record(dir_fd, where)
+        for rel, (digest, size) in record.items():
+            _verify_file(dir_fd, rel, digest, size, where, hash_files)
+        with os.scandir(dir_fd) as entries:  # anything at the top level but a folder: an engine might load it
+            added = sorted(e.name for e in entries if not e.is_dir(follow_symlinks=False) and e.name not in record)
+        if added:
+            raise CheckpointError(f"files not in {ARTIFACT_DIR}/{RECORD_FILE}: {added[:10]} (a serving engine might "
+                                  f"load them)")
+        return _verify_kind(dir_fd, where, artifact)
+    finally:
+        os.close(dir_fd)
+
+
+def _verify_kind(dir_fd: int, where: str, artifact):
+    """config.json, the index and (fp8) the scales file against the artifact's checkpoint kind: see
+    verify_checkpoint."""
     kind = checkpoint_kind(artifact.policy)
-    config = json.loads((directory / "config.json").read_text())
-    if not (directory / INDEX_FILE).is_file():
-        raise CheckpointError(f"{INDEX_FILE}: missing from {str(directory)!r}")
-    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    config = _read_json(dir_fd, "config.json", where)
+    index = _read_json(dir_fd, INDEX_FILE, where)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointError(f"{INDEX_FILE} weight_map: allowed an object {{weight name: file name}}, got "
+                              f"{_shown(weight_map)}")
     if kind == "packed":
         if "quantization_config" in config:
             raise CheckpointError(f"config.json quantization_config: a packed checkpoint (recipe "
                                   f"{artifact.policy.name!r}, served by the kvcalib vLLM plugin) has none, got "
-                                  f"{config['quantization_config']} (vLLM would apply it)")
+                                  f"{_shown(config['quantization_config'], 400)} (vLLM would apply it)")
         named = sorted(name for name, f in weight_map.items() if f == SCALES_FILE)
-        if (directory / SCALES_FILE).exists() or named:
+        present = _exists(dir_fd, SCALES_FILE)
+        if present or named:
             raise CheckpointError(f"{SCALES_FILE}: a packed checkpoint holds no fp8 scales, got the file "
-                                  f"{'present' if (directory / SCALES_FILE).exists() else 'absent'} and "
-                                  f"{INDEX_FILE} entries {named[:3]}")
+                                  f"{'present' if present else 'absent'} and {INDEX_FILE} entries {named[:3]}")
     elif config.get("quantization_config") != quantization_config("tensor"):
         raise CheckpointError(f"config.json quantization_config: expected {quantization_config('tensor')}, got "
-                              f"{config.get('quantization_config')}")
+                              f"{_shown(config.get('quantization_config'), 400)}")
     if not config.get("architectures"):
         raise CheckpointError("config.json architectures: missing (vLLM cannot choose a model class)")
     if kind == "packed":
         return artifact
     k_scales, v_scales = scales_of(artifact.policy)
     expected = kv_scale_tensors(k_scales, v_scales)
-    with safe_open(str(directory / SCALES_FILE), framework="pt") as f:
-        stored = {name: f.get_tensor(name) for name in f.keys()}
+    stored = _scales(dir_fd, where)
     for name, want in expected.items():
         if weight_map.get(name) != SCALES_FILE:
             raise CheckpointError(f"{INDEX_FILE} weight_map[{name!r}]: expected {SCALES_FILE!r}, got "
-                                  f"{weight_map.get(name)!r} (vLLM would keep its 1.0 default)")
-        if name not in stored or not torch.equal(stored[name], want):
+                                  f"{_shown(weight_map.get(name))} (vLLM would keep its 1.0 default)")
+        got = stored.get(name)
+        if got is None or got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
             raise CheckpointError(f"{SCALES_FILE} {name}: differs from the artifact's scale {want.tolist()}")
     return artifact

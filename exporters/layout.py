@@ -17,9 +17,30 @@ from dataclasses import dataclass
 import torch
 
 from exporters.codec import Encoded, TensorPolicy, pack_codes, unpack_codes
+from exporters.errors import InputError
 from exporters.served_rows import scale_group
 
 PAGE = 2048                          # encoded rows per page of a layer's stored K or V (see PagedRows)
+# the most entries a (token, sequence) row of H * D may have where sparse outliers are stored: their indices
+# h * D + d are int16, so H * D <= 32767 keeps every index in range (and 32767 itself beyond every index: the empty
+# entry of exporters/vllm_slots.py, SENTINEL). The C encoder's wrapper and the manifest's cross-checks refuse the same.
+MAX_ROW_ENTRIES = 0x7FFF
+
+
+def check_row_entries(n_kv_heads: int, head_dim: int, where: str) -> None:
+    """Refuse (InputError) a row of n_kv_heads * head_dim entries whose int16 outlier indices would wrap."""
+    if n_kv_heads * head_dim > MAX_ROW_ENTRIES:
+        raise InputError(f"{where}: sparse outliers are stored with int16 indices h * head_dim + d, so n_kv_heads * "
+                         f"head_dim must be at most {MAX_ROW_ENTRIES}; got n_kv_heads={n_kv_heads} * "
+                         f"head_dim={head_dim} = {n_kv_heads * head_dim}")
+
+
+def calibrated_shape(p: TensorPolicy, name: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The shape of a policy's calibrated tensor `name` (exporters.codec.CALIBRATED_FIELDS) for a model of n_kv_heads
+    heads of head_dim channels, as a runtime reads it: codebook [2^bits], fp8_scale [] (axis tensor) or [H_kv]
+    (axis head), zero / range / lower / upper [H_kv, D]."""
+    return {"codebook": (2 ** p.bits,), "fp8_scale": () if p.axis == "tensor" else (n_kv_heads,)}.get(
+        name, (n_kv_heads, head_dim))
 
 
 @dataclass
@@ -35,7 +56,11 @@ class StoredBlock:
 
 
 def store(e: Encoded, p: TensorPolicy, start: int) -> StoredBlock:
+    """The codec's output for rows [start, start + n) laid out as stored (see the module docstring). Refuses
+    (InputError) sparse outliers of a row longer than MAX_ROW_ENTRIES: their int16 indices would wrap."""
     b, h, t, d = e.shape
+    if p.outlier_fraction > 0:
+        check_row_entries(h, d, "store")
     out: dict[str, torch.Tensor] = {}
     if e.dense is not None:
         out["dense"] = e.dense
@@ -235,6 +260,8 @@ class PagedRows:
 
     def write(self, blk: StoredBlock) -> None:
         """blk (at most room() rows, following the rows held) into the open page; a full page is sealed."""
+        if "outlier_index" in blk.tensors:  # a block not made by store (the C encoder's) is held to the same limit
+            check_row_entries(blk.shape[1], blk.shape[3], "PagedRows.write")
         if self.end is not None and blk.start != self.end:
             raise ValueError(f"rows must be appended in order: {self.rows} rows held up to position "
                              f"{self.end}, got rows at {blk.start}")

@@ -20,6 +20,7 @@ import torch
 from exporters.codec import FORMATS, FP8, CachePolicy, CodecError, TensorPolicy, formats_where
 from exporters.checksums import sha256_bytes
 from exporters.errors import InputError
+from exporters.layout import MAX_ROW_ENTRIES
 
 FORMAT_NAME = "kvcalib.kv-cache"
 FORMAT_VERSION = 2  # 2: manifest digest, raw-byte tensor checksums, bound decoding fields (1 is refused)
@@ -98,6 +99,11 @@ class PrefixError(ConsistencyError):
     """cache.prefix.token_ids differ from the prefix.ids tensor."""
 
 
+class TensorValueError(ConsistencyError):
+    """A calibrated tensor holds values no decoder can use: not finite, a negative range, lower > upper, an fp8
+    scale out of the format's range (check_values)."""
+
+
 class RecordError(ConsistencyError):
     """runtime_check or gate contradicts itself (a status its own cases or failures do not support)."""
 
@@ -135,13 +141,40 @@ def parse_manifest(raw: bytes) -> dict:
     version, signed by its digest, valid under the schema and consistent in itself (check_fields)."""
     try:
         manifest = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_members)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise SchemaError(f"manifest.json is not valid UTF-8 JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSONDecodeError, and Python's
+        # refusal of an integer of more than 4300 digits
+        raise SchemaError(f"manifest.json is not valid UTF-8 JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
     _check_format(manifest)
+    _check_depth(manifest)
     check_digest(raw, manifest)
     validate_schema(manifest)
     check_fields(manifest)
     return manifest
+
+
+MAX_DEPTH = 32   # nesting of JSON objects and arrays: a real manifest reaches 6 (model.source.settings); deeper
+                 # input is refused before any recursive reader (schema, comparisons, printing) walks it
+
+
+def nested_too_deep(value) -> str | None:
+    """The path of the first JSON object or array nested deeper than MAX_DEPTH (None: none), walked without
+    recursion: untrusted input is never handed to a recursive reader before this (manifest.json here, a
+    checkpoint's side files in exporters/artifact.py)."""
+    stack = [(value, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > MAX_DEPTH:
+            return path[1:] or "(root)"
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((v, depth + 1, f"{path}/{k}") for k, v in items if isinstance(v, (dict, list)))
+    return None
+
+
+def _check_depth(manifest: dict) -> None:
+    deep = nested_too_deep(manifest)
+    if deep is not None:
+        raise SchemaError(f"manifest field {deep}: nesting deeper than {MAX_DEPTH} levels of objects and arrays is "
+                          f"not allowed")
 
 
 # ---- schema -----------------------------------------------------------------------------------------------
@@ -269,10 +302,13 @@ def _check_records(manifest: dict) -> None:
     if rc is not None:
         cases = rc["cases"]
         failed = sum(not c["ok"] for c in cases)
-        status = "passed" if cases and not failed and "error" not in rc else "failed"
+        canary_ok = rc.get("canary", {}).get("ok", True)
+        status = "passed" if cases and not failed and "error" not in rc and canary_ok else "failed"
         if rc["status"] != status:
             raise RecordError(f"runtime_check/status: {len(cases)} cases, {failed} not ok, "
-                              f"{'an' if 'error' in rc else 'no'} error allow {status!r}, got {rc['status']!r}")
+                              f"{'an' if 'error' in rc else 'no'} error, canary "
+                              f"{'absent' if 'canary' not in rc else 'ok' if canary_ok else 'failed'} allow "
+                              f"{status!r}, got {rc['status']!r}")
         for key in ("max_abs_err", "max_rel_err"):
             worst = max((c[key] for c in cases), default=None)
             if rc[key] != worst:
@@ -300,13 +336,36 @@ def _check_attention(model: dict) -> None:
                                f"({model['n_layers']}), at least one 'sliding'; got {types}")
 
 
+def _check_row_entries(manifest: dict) -> None:
+    """Sparse outliers are stored with an int16 index h * D + d within the token's H_kv * D entries
+    (exporters/layout.py): a model with more entries per row than int16 holds cannot store them."""
+    model = manifest["model"]
+    entries = model["n_kv_heads"] * model["head_dim"]
+    if entries <= MAX_ROW_ENTRIES:
+        return
+    for i, layer in enumerate(manifest["layers"]):
+        for kind in ("key", "value"):
+            if layer[kind]["outliers"]["rule"] != "none":
+                raise ConsistencyError(
+                    f"layers/{i}/{kind}/outliers: sparse outliers are indexed by an int16 h * head_dim + d, so "
+                    f"model/n_kv_heads * model/head_dim must be at most {MAX_ROW_ENTRIES}; got "
+                    f"{model['n_kv_heads']} * {model['head_dim']} = {entries}")
+
+
 def check_fields(manifest: dict) -> None:
     """The cross-checks a schema cannot state (docs/manifest.md, "a consumer must refuse when"), on a
     schema-valid manifest."""
-    n_layers = manifest["model"]["n_layers"]
-    if [layer["index"] for layer in manifest["layers"]] != list(range(n_layers)):
-        raise SchemaError(f"layers must list indices 0..{n_layers - 1} in order")
-    _check_attention(manifest["model"])
+    model = manifest["model"]
+    n_layers = model["n_layers"]
+    # the count first: work proportional to a claimed n_layers (a range of 2e8) is never done for a short list
+    if len(manifest["layers"]) != n_layers or any(layer["index"] != i for i, layer in enumerate(manifest["layers"])):
+        raise SchemaError(f"layers must list indices 0..{n_layers - 1} in order (model/n_layers = {n_layers}), got "
+                          f"{len(manifest['layers'])} layers")
+    if model["n_q_heads"] % model["n_kv_heads"]:
+        raise ConsistencyError(f"model/n_q_heads must be a multiple of model/n_kv_heads (grouped-query attention), "
+                               f"got {model['n_q_heads']} and {model['n_kv_heads']}")
+    _check_attention(model)
+    _check_row_entries(manifest)
     for i, layer in enumerate(manifest["layers"]):
         for kind in ("key", "value"):
             _check_policy_fields(layer[kind], f"layers/{i}/{kind}")
@@ -316,18 +375,18 @@ def check_fields(manifest: dict) -> None:
 
 # ---- cross-checks: the manifest against the tensor file and the served model -------------------------------
 
-def _difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+def json_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
     """The first place where two JSON values differ: (path, a's value, b's value). Numbers compare by value
     (1 == 1.0), booleans only with booleans."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if k not in a or k not in b:
                 return f"{path}/{k}", a.get(k, "(absent)"), b.get(k, "(absent)")
-            if found := _difference(a[k], b[k], f"{path}/{k}"):
+            if found := json_difference(a[k], b[k], f"{path}/{k}"):
                 return found
         return None
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return next(filter(None, (_difference(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b)))), None)
+        return next(filter(None, (json_difference(x, y, f"{path}/{i}") for i, (x, y) in enumerate(zip(a, b)))), None)
     same = (a is b) if isinstance(a, bool) or isinstance(b, bool) else \
         (type(a) is type(b) or {type(a), type(b)} <= {int, float}) and a == b
     return None if same else (path, a, b)
@@ -347,7 +406,7 @@ def check_binding(manifest: dict, metadata: dict[str, str]) -> None:
     if not isinstance(bound, dict):
         raise BindingError(f"{TENSOR_FILE} has no valid __metadata__ {BOUND_KEY!r}: the decoding fields of the "
                            f"manifest cannot be checked against it")
-    if found := _difference({f: manifest[f] for f in BOUND_FIELDS}, bound, ""):
+    if found := json_difference({f: manifest[f] for f in BOUND_FIELDS}, bound, ""):
         path, ours, theirs = found
         raise BindingError(f"manifest field {path[1:]} is {ours!r}, but {TENSOR_FILE} (__metadata__ {BOUND_KEY}, "
                            f"covered by tensor_file.sha256) was written for {theirs!r}")
@@ -400,10 +459,60 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
     extra = sorted(set(tensors) - set(declared))
     if extra:
         raise SchemaError(f"{TENSOR_FILE} holds tensors the manifest does not declare: {extra[:5]}")
+    check_values(manifest, tensors)
     prefix = manifest["cache"]["prefix"]
     if prefix and tensors["prefix.ids"].tolist() != prefix["token_ids"]:
         raise PrefixError(f"cache/prefix/token_ids {prefix['token_ids']} differ from the prefix.ids tensor "
                           f"{tensors['prefix.ids'].tolist()} (the ids the prefix K/V were computed from)")
+
+
+FP16_MAX = 65504.0   # the largest float16: the served cache holds sink, residual and prefix rows in fp16
+
+
+
+
+def _bad(t: torch.Tensor, ok: torch.Tensor) -> str:
+    """Where `ok` fails first, and the value there (for the refusal's message)."""
+    flat = (~ok).flatten().nonzero()
+    i = int(flat[0])
+    index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), ok.shape)) if ok.dim() else ()
+    return f"{int((~ok).sum())} of {ok.numel()} entries, first at {list(index)}: {float(t.flatten()[i])!r}"
+
+
+def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Every calibrated tensor holds values a decoder can use (checksums do not say that: anyone can recompute
+    them): finite everywhere; range >= 0 (0 only for a constant channel: it decodes to zero); lower <= upper;
+    an fp8 scale s in (0, FP16_MAX / fp8_max], so that a decoded value fits float16 as the K/V it came from did;
+    smoothing factors > 0; prefix K/V within float16 (the cache holds them in fp16)."""
+    def refuse(name: str, rule: str, t: torch.Tensor, ok: torch.Tensor) -> None:
+        if not bool(ok.all()):
+            raise TensorValueError(f"tensor {name!r}: {rule}; {_bad(t, ok)}")
+
+    for name, t in sorted(tensors.items()):
+        if t.is_floating_point():
+            refuse(name, "values must be finite (no NaN or inf)", t, torch.isfinite(t))
+    for i, layer in enumerate(manifest["layers"]):
+        for kind in ("key", "value"):
+            p, refs = layer[kind], layer[kind]["tensors"]
+            if "range" in refs:
+                t = tensors[refs["range"]]
+                refuse(refs["range"], "range must be >= 0 (0 only for a constant channel)", t, t >= 0)
+            if "lower" in refs:
+                lo, hi = tensors[refs["lower"]], tensors[refs["upper"]]
+                refuse(refs["lower"], f"lower must be <= upper ({refs['upper']}) in every channel", lo, lo <= hi)
+            if "fp8_scale" in refs:
+                t, top = tensors[refs["fp8_scale"]], FP16_MAX / FP8[p["fp8_dtype"]][1]
+                refuse(refs["fp8_scale"], f"an fp8 scale must be in (0, {top:g}] (fp16 max / {p['fp8_dtype']} max)",
+                       t, (t > 0) & (t <= top))
+    cache = manifest["cache"]
+    if cache["smoothing"]:
+        t = tensors[cache["smoothing"]["tensor"]]
+        refuse(cache["smoothing"]["tensor"], "smoothing factors must be > 0", t, t > 0)
+    if cache["prefix"]:
+        for ref in ("k", "v"):
+            name = cache["prefix"]["tensors"][ref]
+            t = tensors[name]
+            refuse(name, f"prefix rows must be within float16 (|x| <= {FP16_MAX:g})", t, t.abs() <= FP16_MAX)
 
 
 def model_json(spec) -> dict:
@@ -434,7 +543,7 @@ def check_model(manifest: dict, spec) -> None:
                 "tokenizer": manifest["tokenizer"]}
     served = {"model": {**{k: v for k, v in model_json(spec).items() if k != "source"},
                         "name": manifest["model"]["name"]}, "tokenizer": tokenizer_json(spec)}
-    if found := _difference(recorded, served, ""):
+    if found := json_difference(recorded, served, ""):
         path, ours, theirs = found
         raise ModelMismatchError(f"artifact was calibrated for model {manifest['model']['name']} with "
                                  f"{path[1:]}={ours!r}; the model given has {path[1:]}={theirs!r}")
@@ -529,10 +638,19 @@ def policy_from_manifest(manifest: dict, tensors: dict[str, torch.Tensor]) -> Ca
               _policy_from_json(layer["value"], tensors, f"layers/{i}/value"))
              for i, layer in enumerate(manifest["layers"])]
     cache = manifest["cache"]
-    smooth = tensors[cache["smoothing"]["tensor"]] if cache["smoothing"] else None
-    if smooth is not None and (not torch.isfinite(smooth).all() or (smooth <= 0).any()):
-        raise SchemaError("smoothing tensor must be finite and positive")
+    smooth = tensors[cache["smoothing"]["tensor"]] if cache["smoothing"] else None  # checked: check_values
     prefix_ids = tensors[cache["prefix"]["tensors"]["ids"]] if cache["prefix"] else None
     return CachePolicy(name=manifest["recipe"], layers=pairs, key_rope=cache["key_rope"], n_sink=cache["n_sink"],
                        residual=cache["residual"], smooth=smooth, prefix_ids=prefix_ids,
-                       prefix_len=0 if prefix_ids is None else int(prefix_ids.numel()))
+                       prefix_len=0 if prefix_ids is None else int(prefix_ids.numel()),
+                       model=model_binding(manifest["model"]))
+
+
+BINDING_FIELDS = ("n_layers", "n_q_heads", "n_kv_heads", "head_dim", "rope", "attention", "max_positions")
+
+
+def model_binding(model: dict) -> dict:
+    """What of the manifest's `model` a serving cache must match in the model it is handed (no weights hash, no
+    name: those need the tokenizer and weights, which check_model compares): layers, heads, head_dim, the RoPE
+    (theta, scaling, pairing, local), the sliding-window layers and the positions."""
+    return {k: model[k] for k in BINDING_FIELDS if k in model}

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from exporters.codec import Encoded, TensorPolicy, unpack_codes
+from exporters.layout import MAX_ROW_ENTRIES
 
-SENTINEL = 0x7FFF           # an empty outlier entry: beyond every h * D + d of a served row (checked below)
+SENTINEL = MAX_ROW_ENTRIES  # an empty outlier entry: beyond every h * D + d of a served row (checked below)
 CHANNEL_SLACK = 4           # static-bound outlier capacity: this many times the expected count per token
 SERVED_FORMATS = ("nuq", "uniform")
 POLICY_TENSORS = ("codebook", "range", "zero", "lower", "upper")   # a side's static tensors the runtime reads

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from pipeline.check_config import CheckConfig, validate_check_options
-from pipeline.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError, user_errors
+from pipeline.errors import (EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError, refusal_text,
+                             user_errors)
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +79,43 @@ def model_config_for(manifest: dict, overrides: list[str] | None = None):
     return config_from_source(source, overrides)
 
 
+def refuse_malformed_model_config(model_cfg) -> None:
+    """A model folder's config.json (model.source local, or hub with model.path a folder) read as untrusted input
+    before transformers reads it, which would fail on it with an OSError, ValueError or RecursionError (EXIT_INTERNAL):
+    refused (EXIT_USER, naming model.path and the field) unless it is a regular file (a link is followed: a hub
+    snapshot's files are links) of at most exporters.artifact.MAX_JSON_BYTES holding a JSON object nested at most
+    MAX_DEPTH deep with a supported `model_type`. Absent: left to load_model, which names what is missing."""
+    import stat
+
+    from exporters.artifact import MAX_JSON_BYTES, file_kind, parse_json_object, read_regular
+    from pipeline.model import SUPPORTED_MODEL_TYPES
+
+    if model_cfg.source not in ("local", "hub") or not model_cfg.path:
+        return
+    directory = Path(model_cfg.path).expanduser()
+    if not directory.is_dir():
+        return
+    where, path = f"model.path={str(directory)!r}", directory / "config.json"
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # before opening: a FIFO would block, a device never ends
+            raise UserError(f"{where}: config.json is {file_kind(mode)}; allowed a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"{where}: config.json cannot be read ({exc.strerror})") from None
+    try:
+        raw = read_regular(fd, MAX_JSON_BYTES, "config.json", where, "a model's config.json is a few KB")
+    finally:
+        os.close(fd)
+    config = parse_json_object(raw, f"{where} config.json", UserError)
+    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        got = config.get("model_type", "(absent)")
+        raise UserError(f"{where} config.json model_type: allowed one of {list(SUPPORTED_MODEL_TYPES)}, got "
+                        f"{repr(got)[:120]}")
+
+
 def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
     """[n_windows, length] consecutive windows of the embedded evaluation text."""
     from pipeline.config import DataConfig
@@ -110,13 +148,15 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     cfg = cfg or CheckConfig()
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
-    validate_check_options(contexts, batches, None)  # before anything is loaded for nothing
+    validate_check_options(contexts, batches, None, cfg.canary_tokens)  # before anything is loaded for nothing
     if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
         write = False
     artifact = load_artifact(artifact_dir)  # the whole folder verified, before the model
     if model_bundle is None:
         from pipeline.model import load_model
-        model_bundle = load_model(model_config_for(artifact.manifest, model_overrides))
+        model_cfg = model_config_for(artifact.manifest, model_overrides)
+        refuse_malformed_model_config(model_cfg)
+        model_bundle = load_model(model_cfg)
     check_model(artifact.manifest, model_bundle.spec)
 
     import triton
@@ -159,7 +199,10 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
                     f"{c['max_rel_err']:.3e} (layer {c['worst_layer']}) {'ok' if c['ok'] else 'FAILED'}")
         if error:
             break
-    passed = error is None and bool(cases) and all(c["ok"] for c in cases)
+    canary = None
+    if cfg.canary_tokens and error is None:
+        canary = quality_canary(artifact, model_bundle, cfg.canary_tokens, log)
+    passed = error is None and bool(cases) and all(c["ok"] for c in cases) and (canary is None or canary["ok"])
     result = {
         "status": "passed" if passed else "failed",
         "max_abs_err": max((c["max_abs_err"] for c in cases), default=None),
@@ -169,6 +212,8 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         **{k: round(v, 3) for k, v in timing.items()},
         "data": "embedded:pydoc_data.topics (evaluation half)",
     }
+    if canary is not None:
+        result["canary"] = canary
     if error:
         result["error"] = error
     if write:
@@ -177,7 +222,31 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         log(f"runtime check passed: max_abs_err {result['max_abs_err']:.3e}, max_rel_err "
             f"{result['max_rel_err']:.3e} <= rtol {RTOL:g} (Triton {triton.__version__}, {result['device']})")
     else:
-        log(f"runtime check FAILED: {error or 'kernel and oracle disagree beyond the tolerance'}")
+        why = error or ("the quality canary " + canary["reason"] if canary is not None and not canary["ok"]
+                        else "kernel and oracle disagree beyond the tolerance")
+        log(f"runtime check FAILED: {why}")
+    return result
+
+
+def quality_canary(artifact, model_bundle, tokens: int, log: Callable[[str], None]) -> dict | None:
+    """runtime_check/canary.py on the artifact's policy and the model: measured, then judged against the
+    calibration-free limit and the canary the artifact's run recorded (manifest runtime_check.canary), if any."""
+    from runtime_check import canary
+    from runtime_check.check import artifact_prefix
+
+    recorded = (artifact.manifest.get("runtime_check") or {}).get("canary")
+    fit = canary.lengths(artifact.policy, model_bundle.spec.max_positions, tokens)
+    if fit is None:
+        log(f"  quality canary: not run -- the model's {model_bundle.spec.max_positions} positions cannot hold the "
+            f"artifact's sink, residual and stored rows and 16 scored tokens")
+        return None
+    warmup, tokens = fit
+    ids = eval_ids(model_bundle.tokenizer, 1, warmup + tokens)
+    measured = canary.measure(model_bundle.model, artifact.policy, ids, warmup, artifact_prefix(artifact))
+    result = canary.judge(measured, recorded)
+    log(f"  quality canary ({result['tokens']} tokens decoded after {result['warmup']}): KL "
+        f"{result['kl']:.4g} nats, top-1 agreement {result['agreement']:.3f}; calibration-free baseline KL "
+        f"{result['baseline_kl']:.4g} -> {result['reason']}")
     return result
 
 
@@ -201,6 +270,9 @@ checksums) before the model loads, and is never modified.
                            manifest (model.source): e.g. model.path=/new/place/of/the/folder, model.device=cuda
   contexts, batches        the context lengths and batch sizes checked on a CPU (default [64,200] x [1,2])
   gpu_contexts             the context lengths checked on a GPU (default [64,200,1024,4096])
+  canary_tokens            tokens of the quality canary (default 128; 0: off): model-sampled text served
+                           through the artifact's cache, KL vs full precision, judged against a calibration-free
+                           baseline and the canary the artifact's run recorded (docs/manifest.md)
   --out FILE               where the record (JSON) goes; default ARTIFACT.check.json beside the folder
 
 exit codes: 0 passed, 1 failed, 2 refused (artifact, model or option)
@@ -240,7 +312,7 @@ def main(args: list[str]) -> int:
         print(f"error: invalid check option: {exc}", file=sys.stderr)
         return EXIT_USER
     except user_errors() as exc:  # the strict loader refused the artifact, or an option / the model was refused
-        print(f"error: {directory}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {directory}: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_USER
     target = out or result_path(directory)
     atomic_write_json(target, result)
@@ -248,5 +320,6 @@ def main(args: list[str]) -> int:
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 
 
-__all__ = ["run_check", "main", "result_path", "USAGE", "triton_kernel", "model_config_for", "eval_ids", "ensure_backend", "device_name",
+__all__ = ["run_check", "main", "result_path", "USAGE", "triton_kernel", "model_config_for",
+           "refuse_malformed_model_config", "eval_ids", "ensure_backend", "device_name",
            "RuntimeCheckError"]

@@ -12,9 +12,13 @@ class CheckConfig:
     contexts: list[int] = field(default_factory=lambda: [64, 200])   # CPU: the kernels run in Triton's interpreter
     batches: list[int] = field(default_factory=lambda: [1, 2])
     gpu_contexts: list[int] = field(default_factory=lambda: [64, 200, 1024, 4096])  # used instead on a GPU
+    # the quality canary (runtime_check/canary.py): scored tokens of model-sampled text served through the
+    # artifact's cache vs full precision and vs a calibration-free baseline; 0 turns it off
+    canary_tokens: int = 128
 
 
-def validate_check_options(contexts: list[int], batches: list[int], max_context: int | None) -> None:
+def validate_check_options(contexts: list[int], batches: list[int], max_context: int | None,
+                           canary_tokens: int = 0) -> None:
     """The check's contexts and batch sizes; max_context: the model's positions less the prefix (None: not known yet, check the lower bounds only)."""
     if not contexts or not batches:
         raise UserError(f"check.contexts and check.batches must be non-empty, got {contexts} and {batches}")
@@ -26,3 +30,5 @@ def validate_check_options(contexts: list[int], batches: list[int], max_context:
     for b in batches:
         if b < 1:
             raise UserError(f"check.batches: each batch size must be >= 1, got {b}")
+    if canary_tokens < 0:
+        raise UserError(f"check.canary_tokens: allowed an integer >= 0 (0: no quality canary), got {canary_tokens}")

@@ -144,9 +144,11 @@ def run_help() -> str:
 
 
 def _show(args: list[str]) -> int:
-    from pipeline.errors import user_errors
+    from pipeline.errors import refusal_text, user_errors
 
     target = args[0]
+    if hasattr(sys.stdout, "reconfigure"):  # a manifest's text on a terminal that cannot encode it: escaped
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         if Path(target).is_dir():
             from pipeline.show import show_artifact
@@ -154,7 +156,7 @@ def _show(args: list[str]) -> int:
             return EXIT_OK
         return _show_run(target, args[1:])
     except user_errors() as exc:  # the strict loader refused the artifact, or no such run
-        print(f"error: {target}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {target}: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_USER
 
 

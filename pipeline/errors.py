@@ -6,7 +6,7 @@ this table verbatim; tests/pipeline/test_cli.py checks that the two agree and ma
 | code | name | meaning |
 |---|---|---|
 | 0 | `EXIT_OK` | done (`check`: the runtime check passed) |
-| 1 | `EXIT_CHECK_FAILED` | the runtime check failed: kernel and oracle disagree, or the kernel could not run |
+| 1 | `EXIT_CHECK_FAILED` | the runtime check failed: kernel and oracle disagree, the kernel could not run, or the quality canary failed |
 | 2 | `EXIT_USER` | bad input refused: config, option, recipe, model, data, artifact or command line |
 | 3 | `EXIT_UNREACHABLE` | the MLflow tracking store could not be reached; the results are still written |
 | 4 | `EXIT_GATE` | the artifact crossed a drift-gate threshold; the results are still written |
@@ -43,6 +43,18 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (InputError, OmegaConfBaseException, HydraException)
 
 
+MAX_REFUSAL_CHARS = 2000   # a refusal quoting an artifact's value (a megabyte string, a deep list) is cut here
+
+
+def refusal_text(exc: BaseException, limit: int = MAX_REFUSAL_CHARS) -> str:
+    """A refusal's message for the terminal: what it quotes from untrusted input may hold control characters,
+    terminal escapes or megabytes, so every unprintable character but a newline is escaped and the message is cut
+    to `limit` characters, the rest counted."""
+    text = str(exc)
+    shown = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text[:limit])
+    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+
+
 class GateError(RuntimeError):
     """The artifact crossed a drift-gate threshold; the message names the offending cells (EXIT_GATE). `out`
     carries the run's results (written before the gate failed) so they can still be recorded."""
@@ -64,4 +76,4 @@ class RuntimeCheckError(Exception):
 
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "EXIT_INTERNAL", "UserError",
-           "InputError", "user_errors", "GateError", "RuntimeCheckError"]
+           "InputError", "user_errors", "refusal_text", "GateError", "RuntimeCheckError"]

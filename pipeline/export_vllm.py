@@ -69,11 +69,12 @@ def main(args: list[str], prog: str = "python -m pipeline") -> int:
                             f"and tensors.safetensors: outputs/<date>/<time>/artifact)")
         from exporters.manifest import check_model
         from exporters.native import load_artifact
-        from pipeline.check import model_config_for
+        from pipeline.check import model_config_for, refuse_malformed_model_config
 
         artifact = load_artifact(artifact_dir)  # verified whole before anything else
         kind = refuse_unservable(artifact.manifest, artifact.policy)
         cfg = model_config_for(artifact.manifest, overrides)
+        refuse_malformed_model_config(cfg)
         from pipeline.export import write_vllm_checkpoint
         from pipeline.model import load_model, source_directory
 

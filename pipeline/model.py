@@ -13,7 +13,7 @@ import torch
 from pipeline.config import ModelConfig
 from pipeline.errors import UserError
 from exporters.checksums import sha256_file, sha256_json, sha256_tensor
-from stages.hooks import LAYER_TYPES, layer_windows
+from stages.hooks import config_binding
 
 # model_type -> the causal-LM class: rotary attention with separate q_proj / k_proj / v_proj (and, for Gemma 3, the
 # per-head q_norm / k_norm before RoPE, local and global layers with their own RoPE bases)
@@ -411,35 +411,21 @@ def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights
     if getattr(c, "attn_logit_softcapping", None) is not None:
         raise UserError(f"model {arch}: attn_logit_softcapping={c.attn_logit_softcapping} is not supported (the "
                         f"evaluation and serving attention apply no logit soft-capping); allowed: None")
-    try:
-        windows = layer_windows(c)
+    try:  # shapes, RoPE and layer types: the manifest's binding, defined once (stages.hooks.config_binding)
+        bound = config_binding(c)
     except ValueError as exc:
         raise UserError(f"model {arch}: {exc}") from None
-    rope = dict(getattr(c, "rope_parameters", None) or {})
-    local_rope: dict = {}
-    if set(rope) & set(LAYER_TYPES):  # one set of RoPE parameters per layer type (Gemma 3)
-        rope, local_rope = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
-    theta = float(rope.pop("rope_theta", getattr(c, "rope_theta", 0.0)) or 0.0)
-    local_theta = float(local_rope.pop("rope_theta", 0.0) or 0.0)
-    if theta <= 0 or (local_rope and local_theta <= 0):
-        raise UserError(f"model {arch}: no rotary embedding (rope_theta missing); only RoPE models are handled")
-    has_types = any(w is not None for w in windows)
-    if has_types and not local_rope:  # one RoPE for every layer (Mistral's sliding window)
-        local_theta, local_rope = theta, dict(rope)
-    layer_types = tuple("full" if w is None else "sliding" for w in windows) if has_types else ()
-    n_q = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // n_q
+    local, attention = bound["rope"].get("local", {}), bound.get("attention", {})
     config_hash = sha256_json(c.to_dict() | {"_name_or_path": None, "quantization_config": None, "dtype": None})
     vocab = tok.get_vocab()
     tok_hash = sha256_json({"vocab": sorted(vocab.items(), key=lambda kv: kv[1]),
                             "special": tok.all_special_tokens, "bos": tok.bos_token_id})
     return ModelSpec(
-        name=name, architecture=arch, n_layers=c.num_hidden_layers, n_q_heads=n_q,
-        n_kv_heads=getattr(c, "num_key_value_heads", None) or n_q, head_dim=head_dim, rope_theta=theta,
-        rope_scaling=json.dumps(rope, sort_keys=True), rope_pairing="rotate_half",
-        max_positions=int(c.max_position_embeddings), vocab_size=int(c.vocab_size),
+        name=name, architecture=arch, n_layers=bound["n_layers"], n_q_heads=bound["n_q_heads"],
+        n_kv_heads=bound["n_kv_heads"], head_dim=bound["head_dim"], rope_theta=bound["rope"]["theta"],
+        rope_scaling=json.dumps(bound["rope"]["scaling"], sort_keys=True), rope_pairing=bound["rope"]["pairing"],
+        max_positions=bound["max_positions"], vocab_size=int(c.vocab_size),
         bos_token_id=tok.bos_token_id, model_sha256=sha256_json([config_hash, weight_hash]),
-        tokenizer_sha256=tok_hash, weights=weights, layer_types=layer_types,
-        sliding_window=max((w for w in windows if w is not None), default=0),
-        rope_local_theta=local_theta if has_types else 0.0,
-        rope_local_scaling=json.dumps(local_rope if has_types else {}, sort_keys=True), source=source)
+        tokenizer_sha256=tok_hash, weights=weights, layer_types=tuple(attention.get("layer_types", ())),
+        sliding_window=attention.get("sliding_window", 0), rope_local_theta=local.get("theta", 0.0),
+        rope_local_scaling=json.dumps(local.get("scaling", {}), sort_keys=True), source=source)

@@ -1,10 +1,45 @@
-"""`python -m pipeline show DIR`: an artifact's summary and lineage, read only through the strict loader."""
+"""`python -m pipeline show DIR`: an artifact's summary and lineage, read only through the strict loader.
+
+Whatever the schema lets a manifest hold is printed, never a crash: every field the schema leaves optional may be
+absent, numbers may be huge (an integer beyond a float), null, NaN or infinite, and text (names, descriptions,
+stage names) may hold control characters, terminal escapes, unpaired surrogates or megabytes; text is printed with
+its unprintable characters escaped and cut to MAX_TEXT characters (_text), numbers through _num.
+"""
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
 
 from exporters.native import load_artifact
+
+MAX_TEXT = 200   # characters of one text field shown; the rest is counted, not printed
+
+
+def _text(value, limit: int = MAX_TEXT) -> str:
+    """A manifest's text for the terminal: every unprintable character (control, escape, line separator, unpaired
+    surrogate) as its Python escape, cut to `limit` characters with the rest counted."""
+    text = value if isinstance(value, str) else str(value)
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+
+
+def _num(value, spec: str) -> str:
+    """A JSON number formatted by `spec`; None as "n/a"; an integer beyond a float (or any value the format refuses)
+    as its own digits, cut as text is."""
+    if value is None:
+        return "n/a"
+    try:
+        return format(value, spec)
+    except (OverflowError, ValueError, TypeError):
+        return _text(value, 40)
+
+
+def _ratio(a, b) -> float | None:
+    """a / b of two JSON numbers, None when b is 0 or the quotient is beyond a float."""
+    try:
+        return a / b if b else None
+    except (OverflowError, TypeError, ZeroDivisionError):
+        return None
 
 
 def _describe(p: dict) -> str:
@@ -16,7 +51,7 @@ def _describe(p: dict) -> str:
     elif p["format"] == "fp8":
         out += f"-{p.get('fp8_dtype', 'e4m3')} per-{p['axis']}"
     if p["outliers"]["fraction"]:
-        out += f" +{100 * p['outliers']['fraction']:g}% sparse"
+        out += f" +{_num(100 * p['outliers']['fraction'], 'g')}% sparse"
     return out
 
 
@@ -24,42 +59,63 @@ def _source(source: dict | None) -> list[str]:
     """Where the artifact's model was loaded from (manifest model.source; none in artifacts made before it)."""
     if not source:
         return []
-    revision = f", revision {source['revision']}" if source.get("revision") else ""
-    path = f" {source['path']}" if source.get("path") else ""
-    return [f"source     {source['kind']}{path}{revision} (config {source['config']})"]
+    revision = f", revision {_text(source['revision'])}" if source.get("revision") else ""
+    path = f" {_text(source['path'])}" if source.get("path") else ""
+    return [f"source     {_text(source['kind'])}{path}{revision} (config {_text(source['config'])})"]
+
+
+def _evaluation(m: dict) -> list[str]:
+    """The recipe's own evaluation (every field optional in the schema), against fp16's perplexity when recorded."""
+    ev = m["evaluation"].get(m["recipe"])
+    if not ev:
+        return []
+    ratio = _ratio(ev.get("ppl"), m["evaluation"].get("fp16", {}).get("ppl"))
+    shown = f" ({_num(ratio, '.4f')} x fp16)" if ratio is not None else ""
+    return [f"evaluation ppl {_num(ev.get('ppl'), '.3f')}{shown}, KL {_num(ev.get('kl'), '.4f')}, top-1 "
+            f"{_num(ev.get('top1'), '.4f')}, avg bits {_num(ev.get('avg_bits'), '.3f')}"]
+
+
+def _check(check: dict | None) -> str:
+    """The runtime check: its status, worst error (null when no case ran), tolerance and error; the quality canary
+    on a line of its own when the record has one."""
+    if check is None:
+        return "check      not run"
+    tol = check["tolerance"]
+    line = (f"check      {check['status']} (max abs err {_num(check.get('max_abs_err'), '.2e')}, tolerance atol "
+            f"{_num(tol.get('atol'), 'g')} rtol {_num(tol.get('rtol'), 'g')})")
+    line += f": {_text(check['error'])}" if check.get("error") else ""
+    canary = check.get("canary")
+    if canary:  # the quality canary (runtime_check/canary.py; docs/manifest.md)
+        line += (f"\ncanary     {'ok' if canary['ok'] else 'FAILED'}: KL {_num(canary.get('kl'), '.3g')} nats over "
+                 f"{canary['tokens']} tokens, top-1 agreement {_num(canary.get('agreement'), '.3f')}; calibration-free "
+                 f"baseline KL {_num(canary.get('baseline_kl'), '.3g')}, limit {_num(canary.get('limit'), '.3g')}")
+    return line
 
 
 def show_artifact(directory: str | Path) -> str:
     a = load_artifact(directory)
     m = a.manifest
-    model, cache = m["model"], m["cache"]
-    lines = [f"artifact   {Path(directory).resolve()}",
-             f"format     {m['format']} v{m['format_version']}  created {m['created']} by {m['creator']['package']} "
-             f"{m['creator']['version']} (git {m['creator']['git_sha'][:12]})",
-             f"model      {model['name']} {model['architecture']}: {model['n_layers']} layers, {model['n_q_heads']} q heads, "
-             f"{model['n_kv_heads']} kv heads, head_dim {model['head_dim']}, RoPE theta {model['rope']['theta']:g} "
-             f"({model['rope']['pairing']}) sha256 {model['sha256'][:16]}",
+    model, cache, creator = m["model"], m["cache"], m["creator"]
+    lines = [f"artifact   {_text(Path(directory).resolve(), 4096)}",
+             f"format     {m['format']} v{m['format_version']}  created {_text(m['created'])} by "
+             f"{_text(creator['package'])} {_text(creator['version'])} (git {_text(creator['git_sha'][:12])})",
+             f"model      {_text(model['name'])} {_text(model['architecture'])}: {model['n_layers']} layers, "
+             f"{model['n_q_heads']} q heads, {model['n_kv_heads']} kv heads, head_dim {model['head_dim']}, RoPE theta "
+             f"{_num(model['rope']['theta'], 'g')} ({model['rope']['pairing']}) sha256 {model['sha256'][:16]}",
              *_source(model.get("source")),
              f"tokenizer  sha256 {m['tokenizer']['sha256'][:16]}",
-             f"recipe     {m['recipe']}: keys {cache['key_rope']}-RoPE, sink rows {cache['n_sink']}, residual {cache['residual']}, "
-             f"smoothing {'yes' if cache['smoothing'] else 'no'}, prefix "
+             f"recipe     {_text(m['recipe'])}: keys {cache['key_rope']}-RoPE, sink rows {cache['n_sink']}, residual "
+             f"{cache['residual']}, smoothing {'yes' if cache['smoothing'] else 'no'}, prefix "
              f"{len(cache['prefix']['token_ids']) if cache['prefix'] else 0} tokens"]
     per_layer = Counter((_describe(layer["key"]), _describe(layer["value"])) for layer in m["layers"])
     for (k, v), n in per_layer.items():
         lines.append(f"layers     {n:>3} x  K {k:<28} V {v}")
-    ev = m["evaluation"].get(m["recipe"])
-    if ev:
-        ref = m["evaluation"].get("fp16", {}).get("ppl")
-        ratio = f" ({ev['ppl'] / ref:.4f} x fp16)" if ref else ""
-        lines.append(f"evaluation ppl {ev['ppl']:.3f}{ratio}, KL {ev['kl']:.4f}, top-1 {ev['top1']:.4f}, "
-                     f"avg bits {ev['avg_bits']:.3f}")
-    check = m["runtime_check"]
-    lines.append(f"check      {'not run' if check is None else check['status']}"
-                 + (f" (max abs err {check.get('max_abs_err', float('nan')):.2e}, tolerance {check.get('tolerance')})" if check else ""))
-    cal = m["calibration"]
-    data = cal.get("data", {})
-    lines.append(f"data       {data.get('description')}: {data.get('n_samples')} x {data.get('seq_len')} tokens, seed "
-                 f"{data.get('seed')}, windows sha256 {str(data.get('calib_sha256'))[:16]}")
-    for name, st in cal.get("stages", {}).items():
-        lines.append(f"stage      {name:<28} cache key {st['cache_key'][:12]}  config sha256 {st['config_sha256'][:12]}")
+    lines += _evaluation(m)
+    lines.append(_check(m["runtime_check"]))
+    data = m["calibration"].get("data", {})
+    lines.append(f"data       {_text(data.get('description'))}: {data.get('n_samples')} x {data.get('seq_len')} "
+                 f"tokens, seed {_text(data.get('seed'), 40)}, windows sha256 {str(data.get('calib_sha256'))[:16]}")
+    for name, st in m["calibration"].get("stages", {}).items():
+        lines.append(f"stage      {_text(name):<28} cache key {_text(st['cache_key'][:12])}  config sha256 "
+                     f"{_text(st['config_sha256'][:12])}")
     return "\n".join(lines)

@@ -19,6 +19,9 @@ Which rows are sink, encoded or residual at every step, when the residual buffer
 V's groups) and what a sliding-window layer keeps are exporters/served_rows.py's (LayerRows), the definition the
 evaluation and the byte ledger read too. A policy with a prefix is served after it: the prefix's full-precision
 rows are the layer's first sink rows from the start (ArtifactCache(..., prefix=...)).
+A policy is bound to the model it serves before any row is stored (bind): an artifact's recorded shapes and RoPE
+must be the model's, and every calibrated tensor must cover the model's heads x head_dim -- an artifact from a
+stranger never reaches the kernels with tensors shorter than what they read.
 
 Beyond `update`, the cache does what transformers' generation asks of it: `reset` (empty, reusable),
 `reorder_cache` / `batch_select_indices` / `batch_repeat_interleave` (beam search: every stored row, encoded or
@@ -43,7 +46,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from exporters.codec import CachePolicy, check_exportable, decode, encode, static_bits
-from exporters.layout import PAGE, PagedBlock, PagedRows, take_batch, load, store
+from exporters.layout import (PAGE, PagedBlock, PagedRows, calibrated_shape, check_row_entries, load, store,
+                              take_batch)
 from exporters.rope import apply_rope, invert_rope, rotary_tables
 from exporters.served_rows import layer_rows
 from serving import cpu_attention
@@ -402,6 +406,7 @@ class ArtifactCache(Cache):
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
             check_exportable(pk, f"ArtifactCache: layer {i} keys")
             check_exportable(pv, f"ArtifactCache: layer {i} values")
+        bind(policy, model.config)  # before any kernel sees a tensor of it
         from stages.hooks import layer_windows, model_rotaries
 
         def rope_fn_of(rotary):
@@ -413,8 +418,6 @@ class ArtifactCache(Cache):
             return rope_fn
 
         max_positions = int(model.config.max_position_embeddings)
-        if len(policy.layers) != model.config.num_hidden_layers:
-            raise InputError(f"artifact has {len(policy.layers)} layers, the model {model.config.num_hidden_layers}")
         # each layer's own RoPE (local and global layers may rotate differently) and window (None: global)
         rotaries, windows = model_rotaries(model), layer_windows(model.config)
         rows = prefix_rows(policy, model, prefix)
@@ -470,6 +473,47 @@ class ArtifactCache(Cache):
         raise NotImplementedError(_NO_PREFETCH)
 
 
+def bind(policy: CachePolicy, config) -> None:
+    """Refuse (InputError) a policy the model of `config` cannot be served with, before any kernel reads it: an
+    artifact's policy (policy.model, exporters.manifest.model_binding) must state exactly the model's binding
+    (stages.hooks.config_binding: layers, heads, head_dim, RoPE, sliding layers, positions; numbers by value), the
+    difference named (ModelMismatchError); and every policy, an artifact's or one built in memory, must hold
+    calibrated tensors of the model's shapes -- the layer count, exporters.layout.calibrated_shape (zero / range /
+    lower / upper [H_kv, D], fp8_scale [] or [H_kv], codebook [2^bits]), smooth [L, H_kv, D] -- and the tensors its
+    format needs (TensorPolicy.validate): the CPU kernel reads H_kv x D entries of each, whatever was given. A
+    policy storing sparse outliers needs n_kv_heads * head_dim <= exporters.layout.MAX_ROW_ENTRIES, and its prefix
+    ids must be the model's tokens."""
+    from exporters.manifest import ModelMismatchError, json_difference
+    from stages.hooks import config_binding
+
+    served = config_binding(config)
+    if policy.model is not None and (found := json_difference(policy.model, served, "")):
+        path, ours, theirs = found
+        raise ModelMismatchError(f"ArtifactCache: the artifact was calibrated for a model with model/{path[1:]}="
+                                 f"{ours!r}; the model given has {path[1:]}={theirs!r}")
+    n_layers, h, d = served["n_layers"], served["n_kv_heads"], served["head_dim"]
+    if len(policy.layers) != n_layers:
+        raise InputError(f"artifact has {len(policy.layers)} layers, the model {n_layers}")
+    for i, pair in enumerate(policy.layers):
+        for side, p in zip(("keys", "values"), pair):
+            where = f"ArtifactCache: layer {i} {side}"
+            p.validate(where)
+            if p.outlier_fraction > 0:  # int16 outlier indices h * D + d (exporters.layout.MAX_ROW_ENTRIES)
+                check_row_entries(h, d, where)
+            for name, t in p.calibrated().items():
+                shape = calibrated_shape(p, name, h, d)
+                if tuple(t.shape) != shape:
+                    raise InputError(f"{where}: {name} has shape {list(t.shape)}; the model given (n_kv_heads={h}, "
+                                     f"head_dim={d}) needs {list(shape)}")
+    if policy.smooth is not None and tuple(policy.smooth.shape) != (n_layers, h, d):
+        raise InputError(f"ArtifactCache: smooth has shape {list(policy.smooth.shape)}; the model given needs "
+                         f"[n_layers={n_layers}, n_kv_heads={h}, head_dim={d}]")
+    ids = policy.prefix_ids
+    if ids is not None and ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < config.vocab_size:
+        raise InputError(f"ArtifactCache: prefix token ids must be in [0, {config.vocab_size}) (the model's "
+                         f"vocabulary), got ids from {int(ids.min())} to {int(ids.max())}")
+
+
 def prefix_rows(policy: CachePolicy, model: torch.nn.Module, prefix: dict | None
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The prefix rows a cache serving `policy` starts with: (K, V) [L, H, P, D] post-RoPE, from `prefix` (the
@@ -479,20 +523,23 @@ def prefix_rows(policy: CachePolicy, model: torch.nn.Module, prefix: dict | None
             raise InputError(f"ArtifactCache: policy {policy.name} has no prefix (prefix_len 0), got prefix rows of "
                              f"{prefix['k'].shape[-2]} tokens")
         return None
+    from stages.hooks import config_binding
+
+    served = config_binding(model.config)
+    h, d = served["n_kv_heads"], served["head_dim"]
     if prefix is None:
         from types import SimpleNamespace
 
         from stages.prefix_tokens import prefix_kv
 
-        c = model.config
-        spec = SimpleNamespace(n_layers=c.num_hidden_layers, n_kv_heads=c.num_key_value_heads,
-                               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        spec = SimpleNamespace(n_layers=served["n_layers"], n_kv_heads=h, head_dim=d)
         prefix = prefix_kv(model, spec, policy.prefix_ids)
         prefix = {"k": prefix["k_post"], "v": prefix["v"]}
     k, v = prefix["k"], prefix["v"]
-    if k.shape != v.shape or k.dim() != 4 or k.shape[0] != len(policy.layers) or k.shape[2] != policy.prefix_len:
-        raise InputError(f"ArtifactCache: prefix rows must be K, V [n_layers={len(policy.layers)}, H, "
-                         f"P={policy.prefix_len}, D], got {tuple(k.shape)} and {tuple(v.shape)}")
+    want = (len(policy.layers), h, policy.prefix_len, d)
+    if tuple(k.shape) != want or tuple(v.shape) != want:
+        raise InputError(f"ArtifactCache: prefix rows must be K, V [n_layers={want[0]}, n_kv_heads={h}, "
+                         f"P={want[2]}, head_dim={d}], got {tuple(k.shape)} and {tuple(v.shape)}")
     return k, v
 
 

@@ -15,6 +15,18 @@ changed source or another CPU builds anew (a -march=native library must not run 
 instructions). The first use builds it if it is missing. When it cannot be built or loaded the block-wise torch
 path (serving/blockwise.py) serves every step instead, and the reason is said once (stderr) at first use;
 `status()` reports it.
+
+What reaches the library is checked first (InputError naming the buffer, the shape the library reads and what was
+given): every tensor behind a pointer -- queries, lambda, the RoPE table, the policies' static tensors (range / zero
+[H_kv, D], fp8 scales [] or [H_kv], codebooks [2^bits]), each page's codes, scales and outlier lists, the sink and
+residual rows -- against B, H_kv, D and the rows, in dtype and layout, before kvcalib_decode / kvcalib_encode runs;
+what an index read from the data could still make out of bounds (a page past the RoPE table, a negative stored
+outlier index) the library refuses itself, and its codes are turned into the same exception. Sparse outliers need
+n_kv_heads * head_dim <= exporters.layout.MAX_ROW_ENTRIES (int16 indices). Only addresses given raw (the vLLM
+plugin's page table and slots: its own cache) are taken as they are.
+
+$KVCALIB_KERNEL_SANITIZE=address builds the library with AddressSanitizer (`make test-asan` runs the kernel's tests
+so, python preloaded with libasan); the flags enter the library's hash, so it is a library of its own.
 """
 from __future__ import annotations
 
@@ -31,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from exporters.layout import pages_of
+from exporters.errors import InputError
+from exporters.layout import calibrated_shape, check_row_entries, pages_of
 from serving import pages
 from serving.inputs import DecodeInputs
 from serving.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC, fp8_lut, side_flags
@@ -40,11 +53,22 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11")
 
 
+SANITIZERS = {"address": ("-fsanitize=address", "-fno-omit-frame-pointer", "-g")}
+
+
 def flags() -> tuple[str, ...]:
     """FLAGS, with the target CPU from $KVCALIB_KERNEL_MARCH when set (default native; a test builds the
-    library for a CPU without AVX-512 this way, so the scalar paths are checked on a machine that has it)."""
+    library for a CPU without AVX-512 this way, so the scalar paths are checked on a machine that has it), and
+    $KVCALIB_KERNEL_SANITIZE's flags when set (SANITIZERS: "address" for AddressSanitizer; the process must then
+    preload the sanitizer's runtime, LD_PRELOAD=$(cc -print-file-name=libasan.so), as `make test-asan` does)."""
     march = os.environ.get("KVCALIB_KERNEL_MARCH")
-    return tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
+    out = tuple(f"-march={march}" if f == "-march=native" and march else f for f in FLAGS)
+    sanitize = os.environ.get("KVCALIB_KERNEL_SANITIZE")
+    if sanitize:
+        if sanitize not in SANITIZERS:
+            raise OSError(f"KVCALIB_KERNEL_SANITIZE must be one of {sorted(SANITIZERS)}, got {sanitize!r}")
+        out += SANITIZERS[sanitize]
+    return out
 ABI = 1
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
@@ -251,14 +275,77 @@ def temporary_bytes(b: int, h_kv: int, g: int, d: int, page_rows: list[int], sin
     return items * (5 * 8) + items * g * (d + 2) * 4 + threads * per_thread
 
 
+# ---- what the library reads, checked ---------------------------------------------------------------------------
+
+def _need(t: torch.Tensor | None, name: str, shape: tuple, dtype: torch.dtype, contiguous: bool = True) -> None:
+    """Refuse (InputError) a buffer the library reads as `shape` entries of `dtype` (contiguous unless it is given
+    its strides), on the CPU, that is not exactly that."""
+    if t is None:
+        raise InputError(f"{name}: missing; the CPU kernel reads a {dtype} tensor of shape {list(shape)}")
+    if (tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cpu"
+            or (contiguous and not t.is_contiguous())):
+        layout = "" if t.is_contiguous() or not contiguous else ", not contiguous"
+        raise InputError(f"{name}: the CPU kernel reads a {'contiguous ' if contiguous else ''}CPU {dtype} tensor of "
+                         f"shape {list(shape)}; got {t.dtype} {list(t.shape)} on {t.device}{layout}")
+
+
+def _check_static(p, names: tuple[str, ...], n_kv: int, d: int, where: str) -> None:
+    """The policy's calibrated tensors `names` (those the call reads) hold what the library reads for n_kv heads
+    of d channels (exporters.layout.calibrated_shape: range / zero / lower / upper [H_kv, D], fp8_scale [] or
+    [H_kv], codebook [2^bits])."""
+    for name in names:
+        t = getattr(p, name)
+        want = calibrated_shape(p, name, n_kv, d)
+        if t is None or tuple(t.shape) != want:
+            got = None if t is None else list(t.shape)
+            raise InputError(f"{where}.{name}: the CPU kernel reads shape {list(want)} for n_kv_heads={n_kv}, "
+                             f"head_dim={d}; got {got}")
+
+
+def _check_page(blk, side: "pages.PageSide", flags: dict, where: str) -> None:
+    """One laid-out page of one side holds what the kernel reads for its shape [B, H_kv, rows, D]: the codes
+    (or fp8 / fp16 rows), the per-token or per-group scales and zero-points, the outlier counts [rows, B] and
+    lists at least as long as the counts say. Run once per laid-out page (_CHECKED): a page held is immutable."""
+    held = _CHECKED.get(id(side))
+    if held is not None and held() is side:
+        return
+    b, h, n, d = blk.shape
+    data, scale, zero, counts, offsets, index, value = side.tensors
+    if flags["FMT"] in (pages.FMT_UNIFORM, pages.FMT_NUQ):
+        _need(data, f"{where} codes", (b, h, n, -(-d * flags["BITS"] // 8)), torch.uint8, contiguous=False)
+    else:
+        _need(data, f"{where} rows", (b, h, n, d), torch.uint8 if flags["FMT"] == pages.FMT_FP8 else torch.float16,
+              contiguous=False)
+    if flags["SMODE"] in (pages.SC_TOKEN, pages.SC_GROUP):
+        shape = (b, h, n, 1) if flags["SMODE"] == pages.SC_TOKEN else (b, h, -(-n // flags["GROUP"]), d)
+        _need(scale, f"{where} scale", shape, torch.float16, contiguous=False)
+        _need(zero, f"{where} zero", shape, torch.float16, contiguous=False)
+    if counts is not None:
+        _need(counts, f"{where} outlier_count", (n * b,), torch.int16)
+        if n * b and int(counts.min()) < 0:
+            raise InputError(f"{where} outlier_count: counts must be >= 0, got {int(counts.min())}")
+        stored = int(offsets[-1] + counts[-1]) if n * b else 0
+        for t, name, dtype in ((index, "outlier_index", torch.int16), (value, "outlier_value", torch.float16)):
+            if t.dtype != dtype or not t.is_contiguous() or t.numel() < stored:
+                raise InputError(f"{where} {name}: the counts list {stored} outliers, the CPU kernel reads them from "
+                                 f"a contiguous {dtype} list; got {t.dtype} of {t.numel()}")
+        check_row_entries(h, d, where)
+    _CHECKED[id(side)] = weakref.ref(side, lambda _, key=id(side): _CHECKED.pop(key, None))
+
+
+_CHECKED: dict[int, weakref.ref] = {}
+
+
 # ---- the call --------------------------------------------------------------------------------------------------
 
-def _rows(pair: tuple[torch.Tensor, torch.Tensor] | None) -> _Rows:
+def _rows(pair: tuple[torch.Tensor, torch.Tensor] | None, b: int, h: int, d: int, name: str) -> _Rows:
+    """The kernel's view of fp16 sink or residual rows K, V [B, H_kv, n, D] (any strides), checked."""
     if pair is None:
         return _Rows()
     k, v = pair
-    if k.dtype != torch.float16 or v.dtype != torch.float16:
-        raise ValueError(f"sink / residual rows must be float16, got {k.dtype} and {v.dtype}")
+    n = k.shape[2] if k.dim() == 4 else -1
+    _need(k, f"{name} keys", (b, h, n, d), torch.float16, contiguous=False)
+    _need(v, f"{name} values", (b, h, n, d), torch.float16, contiguous=False)
     return _Rows(k.data_ptr(), v.data_ptr(), (ctypes.c_int64 * 4)(*k.stride()), (ctypes.c_int64 * 4)(*v.stride()),
                  k.shape[2])
 
@@ -266,21 +353,24 @@ def _rows(pair: tuple[torch.Tensor, torch.Tensor] | None) -> _Rows:
 _SIDES: dict[tuple, tuple] = {}
 
 
-def _side(p, flags: dict, n_kv: int, keep: list) -> _Side:
-    """The kernel's view of one side's policy (format, bits, scale layout, its static tensors), made once per policy
-    object and kv-head count."""
-    key = (id(p), n_kv)
+def _side(p, flags: dict, n_kv: int, d: int, keep: list) -> _Side:
+    """The kernel's view of one side's policy (format, bits, scale layout, its static tensors), made -- and its
+    tensors checked against n_kv heads of d channels -- once per policy object, kv-head count and head_dim."""
+    key = (id(p), n_kv, d)
     held = _SIDES.get(key)
     if held is not None and held[0]() is p:
         keep.append(held[2])
         return held[1]
-    side, tensors = _make_side(p, flags, n_kv)
+    side, tensors = _make_side(p, flags, n_kv, d)
     _SIDES[key] = (weakref.ref(p), side, tensors)
     keep.append(tensors)
     return side
 
 
-def _make_side(p, flags: dict, n_kv: int) -> tuple[_Side, list]:
+def _make_side(p, flags: dict, n_kv: int, d: int) -> tuple[_Side, list]:
+    where = f"{p.format} {p.axis} policy"
+    needed = {SC_HEAD: ("fp8_scale",), SC_STATIC: ("range", "zero")}.get(flags["SMODE"], ())
+    _check_static(p, needed + (("codebook",) if flags["FMT"] == FMT_NUQ else ()), n_kv, d, where)
     scale = zero = lut = None
     if flags["SMODE"] == SC_HEAD:
         scale = p.fp8_scale.float().reshape(-1)
@@ -303,16 +393,39 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
     keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32. The one entry to the library's decode, for
     the serving cache (decode_attention) and the vLLM plugin (serving/vllm_backend.py)."""
     lib = _LIB["lib"]
+    if q.dim() != 3 or h_kv < 1 or q.shape[1] % h_kv or q.shape[1] // h_kv > lib.kvcalib_max_g():
+        raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}, at "
+                         f"most {lib.kvcalib_max_g()} per kv head; got {list(q.shape)}")
     b, h_q, d = q.shape
+    if d % 2 or not 2 <= d <= lib.kvcalib_max_d():
+        raise InputError(f"queries: head_dim must be even and in [2, {lib.kvcalib_max_d()}] for the CPU kernel, "
+                         f"got {d}")
+    if (table.dtype != torch.int64 or not table.is_contiguous() or table.device.type != "cpu"
+            or not 0 <= n_pages * N_PAGE <= table.numel()):
+        raise InputError(f"page table: the CPU kernel reads n_pages={n_pages} rows of {N_PAGE} int64 fields, "
+                         f"contiguous on the CPU; got {table.dtype} of {table.numel()} entries on {table.device}")
+    if lam is not None:
+        _need(lam, "smooth (lambda)", (h_kv, d), torch.float32)
+    if rope is not None:  # its length: the library refuses pages past it (-4)
+        _need(rope, "RoPE table", (rope.shape[0] if rope.dim() == 3 else -1, 2, d // 2), torch.float32)
     q = q.float().contiguous()
-    ks_, vs_ = _side(key_policy, side_flags(key_policy), h_kv, keep), _side(value_policy, side_flags(value_policy),
-                                                                             h_kv, keep)
+    ks_ = _side(key_policy, side_flags(key_policy), h_kv, d, keep)
+    vs_ = _side(value_policy, side_flags(value_policy), h_kv, d, keep)
     call = _Call(table.data_ptr(), n_pages, q.data_ptr(), b, h_kv, h_q // h_kv, d, scaling,
                  None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
                  0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
     call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
     out = torch.empty(b, h_q, d, dtype=torch.float32)
     rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
+    if rc == -4:
+        raise InputError(f"page table: positions run past the RoPE table's {call.rope_n} positions (kvcalib_decode "
+                         f"refused the call)")
+    if rc == -5:
+        raise InputError("stored outliers: a negative outlier count, offset or index (a corrupt page; kvcalib_decode "
+                         "refused it)")
+    if rc == -1:
+        raise InputError(f"kvcalib_decode refused the shapes: B={b}, n_kv_heads={h_kv}, G={h_q // h_kv}, "
+                         f"head_dim={d}, chunk={chunk}, or a page's rows below 0")
     if rc != 0:
         raise RuntimeError(f"kvcalib_decode returned {rc}")
     return out
@@ -341,7 +454,14 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
         if kb.shape[2] != vb.shape[2]:
             raise ValueError(f"K and V pages must hold the same rows: a key page at {kb.start} holds {kb.shape[2]} "
                              f"rows, its value page at {vb.start} {vb.shape[2]}")
+        for blk, side in ((kb, "key"), (vb, "value")):
+            if tuple(blk.shape) != (b, h_kv, blk.shape[2], d):
+                raise InputError(f"{side} page at {blk.start}: shape {list(blk.shape)}; the inputs ask for [B={b}, "
+                                 f"n_kv_heads={h_kv} (of the sink / residual rows, else the keys), rows, "
+                                 f"head_dim={d}]")
         ks, vs = pages.laid_out(kb, inp.key_policy, kf["SMODE"]), pages.laid_out(vb, inp.value_policy, vf["SMODE"])
+        _check_page(kb, ks, kf, f"key page at {kb.start}")
+        _check_page(vb, vs, vf, f"value page at {vb.start}")
         for side in (ks, vs):
             if side.fields[4] != 1 and side.tensors[0].dtype == torch.uint8 and side.tensors[0].shape[-1] > 1:
                 raise ValueError(f"stored codes must be contiguous along the row, got stride {side.fields[4]}")
@@ -362,7 +482,8 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
     lam = None if inp.smooth is None else inp.smooth.float().contiguous()
     threads = threads or torch.get_num_threads()
     out = launch(tab, len(k_pages), inp.q, h_kv, float(inp.scaling), inp.key_policy, inp.value_policy,
-                 (k_outl, v_outl), rope, _rows(inp.sink), _rows(inp.recent), lam, chunk, threads, keep)
+                 (k_outl, v_outl), rope, _rows(inp.sink, b, h_kv, d, "sink"), _rows(inp.recent, b, h_kv, d, "recent"),
+                 lam, chunk, threads, keep)
     b, h_q, d = out.shape
     if stats is not None:
         rows = [p.shape[2] for p in k_pages]
@@ -420,13 +541,17 @@ def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | Non
     if consts is None or rows.device.type != "cpu" or rows.dim() != 4:
         return None
     b, h, n, d = rows.shape
-    if d > _LIB["lib"].kvcalib_max_d() or (consts["group"] and n % consts["group"]):
+    if p.outlier_fraction > 0:
+        check_row_entries(h, d, "encode_rows")
+    if d > _LIB["lib"].kvcalib_max_d() or (consts["group"] and n % consts["group"]) or (rotary is not None and d % 2):
         return None
+    _check_consts(p, consts, h, d, "encode_rows")
     rope = None
     if rotary is not None:
         rope = _rope_table(rotary, start + n)
         if rope is None:
             return None
+        _need(rope, "RoPE table", (max(rope.shape[0], start + n), 2, d // 2), torch.float32)
     x, x_half = rows, rows.dtype == torch.float16
     if not x_half:
         x = x.float()
@@ -438,6 +563,8 @@ def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | Non
         else:  # per-token bounds over every head: the quantiles codec.token_outlier_bounds takes, in float32
             mode, (q_lo, q_hi) = 3, consts["quantiles"]
     lam_c = None if lam is None else lam.float().contiguous()
+    if lam_c is not None:
+        _need(lam_c, "encode_rows: smooth (lambda)", (h, d), torch.float32)
     n_bytes = -(-d * p.bits // 8)
     codes = torch.empty(b, h, n, n_bytes, dtype=torch.uint8)
     g = consts["group"]
@@ -459,6 +586,7 @@ def encode_rows(rows: torch.Tensor, p, start: int, rotary: torch.nn.Module | Non
     if m == -3:
         bad = x.float()
         raise CodecError(f"{int((~torch.isfinite(bad)).sum())} non-finite entries in the rows to encode")
+    _encode_refused(m, b, h, n, d, p)
     if m < 0:
         raise RuntimeError(f"kvcalib_encode returned {m}")
     out = {"codes": codes}
@@ -478,7 +606,21 @@ def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes
     int16 scratch [1]. -> the outliers written, or -1 when they exceed cap (the codes and scales are written
     anyway; the caller stores the token another way). The policy must be one encode_rows takes."""
     consts = _encoder_consts(p)
+    if consts is None:
+        raise InputError(f"encode_into: the CPU encoder does not take a {p.format} {p.axis} policy (rotation "
+                         f"{p.rotation}, {p.bits} bits); allowed: nuq or uniform, no rotation, at most 8 bits")
+    if x.dim() != 4 or x.shape[0] != 1 or x.shape[2] != 1 or x.dtype not in (torch.float16, torch.float32):
+        raise InputError(f"encode_into: one token's rows [1, H, 1, D] in float16 or float32, got {x.dtype} "
+                         f"{list(x.shape)}")
     _, h, _, d = x.shape
+    if p.outlier_fraction > 0:
+        check_row_entries(h, d, "encode_into")
+    _check_consts(p, consts, h, d, "encode_into")
+    if rope is not None:
+        _need(rope, "encode_into: RoPE table", (max(rope.shape[0], start + 1), 2, d // 2), torch.float32)
+    _need(count, "encode_into: count", (1,), torch.int16)
+    if cap < 0 or (p.outlier_fraction > 0 and cap and (index is None or value is None)):
+        raise InputError(f"encode_into: an outlier capacity of {cap} needs index and value addresses")
     mode, q_lo, q_hi, lo, hi = 0, 0.0, 0.0, None, None
     if p.outlier_fraction > 0:
         if p.axis == "channel":
@@ -494,9 +636,27 @@ def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes
     if m == -3:
         from exporters.codec import CodecError
         raise CodecError("non-finite entries in the rows to encode")
+    _encode_refused(m, 1, h, 1, d, p)
     if m < -1:
         raise RuntimeError(f"kvcalib_encode returned {m}")
     return m
+
+
+def _check_consts(p, consts: dict, h: int, d: int, where: str) -> None:
+    """The policy's tensors the encoder reads (_encoder_consts) hold h heads x d channels: zero / range / lower /
+    upper [H, D], the codebook's 2^bits - 1 midpoints."""
+    for name in ("zero", "range", "lower", "upper"):
+        if consts[name] is not None:
+            _need(consts[name], f"{where}: {p.format} {p.axis} policy.{name}", (h, d), torch.float32)
+    if consts["mids"] is not None:
+        _need(consts["mids"], f"{where}: {p.format} policy codebook midpoints", (2 ** p.bits - 1,), torch.float32)
+
+
+def _encode_refused(m: int, b: int, h: int, n: int, d: int, p) -> None:
+    if m == -4:
+        raise InputError(f"kvcalib_encode refused the shapes: B={b}, n_kv_heads={h}, rows={n}, head_dim={d} (at "
+                         f"most {_LIB['lib'].kvcalib_max_d()}), bits={p.bits}, group={p.group_size}, outliers "
+                         f"{p.outlier_fraction > 0}")
 
 
 def main(argv: list[str] | None = None) -> int:

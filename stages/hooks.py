@@ -10,11 +10,13 @@ rope_tables / layer_rope give each layer its own; layer_windows each layer's win
 from __future__ import annotations
 
 import functools
+import json
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 
+from exporters.errors import InputError
 from exporters.rope import layer_rotaries, rotary_tables
 
 ATTN_NAME = "kvcalib"
@@ -203,6 +205,40 @@ def layer_windows(config) -> list[int | None]:
     if "sliding_attention" in types and not window:
         raise ValueError(f"config.layer_types has sliding_attention layers but sliding_window is {window!r}")
     return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def config_binding(config) -> dict:
+    """What a manifest written for this model binds it to (exporters.manifest.model_binding of its `model` field),
+    from the transformers config alone: n_layers, n_q_heads, n_kv_heads, head_dim, rope {theta, scaling (the rope
+    parameters beyond theta, as JSON gives them back), pairing, and local {theta, scaling} for a model with sliding
+    layers}, attention {layer_types ("full" | "sliding" per layer), sliding_window} for such a model, and
+    max_positions. The one definition: pipeline.model.model_spec builds the manifest's fields from it, a serving
+    cache compares an artifact's binding with it. Raises InputError for a config without RoPE (rope_theta missing)
+    and ValueError (layer_windows) for layer types it does not know."""
+    windows = layer_windows(config)
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    local: dict = {}
+    if set(rope) & set(LAYER_TYPES):  # one set of RoPE parameters per layer type (Gemma 3)
+        rope, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    theta = float(rope.pop("rope_theta", getattr(config, "rope_theta", 0.0)) or 0.0)
+    local_theta = float(local.pop("rope_theta", 0.0) or 0.0)
+    if theta <= 0 or (local and local_theta <= 0):
+        raise InputError("no rotary embedding (rope_theta missing); only RoPE models are handled")
+    sliding = [w for w in windows if w is not None]
+    if sliding and not local:  # one RoPE for every layer (Mistral's sliding window)
+        local_theta, local = theta, dict(rope)
+    as_json = lambda x: json.loads(json.dumps(x, sort_keys=True))  # noqa: E731  (what a manifest reads back)
+    n_q = config.num_attention_heads
+    out = {"n_layers": config.num_hidden_layers, "n_q_heads": n_q,
+           "n_kv_heads": getattr(config, "num_key_value_heads", None) or n_q,
+           "head_dim": getattr(config, "head_dim", None) or config.hidden_size // n_q,
+           "rope": {"theta": theta, "scaling": as_json(rope), "pairing": "rotate_half"},
+           "max_positions": int(config.max_position_embeddings)}
+    if sliding:
+        out["attention"] = {"layer_types": ["full" if w is None else "sliding" for w in windows],
+                            "sliding_window": max(sliding)}
+        out["rope"]["local"] = {"theta": local_theta, "scaling": as_json(local)}
+    return out
 
 
 def model_rotaries(model: torch.nn.Module) -> list:

@@ -83,7 +83,7 @@ def test_the_check_catches_an_upward_import(tmp_path):
 
 def test_every_layer_is_a_package_and_the_entry_points_resolve():
     """The serving runtime lives in serving/ (the vLLM plugin entry point and the C source shipped as package data
-    name it there), and runtime_check/ holds the check alone."""
+    name it there), and runtime_check/ holds the check alone (the oracle, the driver, the quality canary)."""
     import tomllib
 
     for package in LEVEL:
@@ -97,7 +97,7 @@ def test_every_layer_is_a_package_and_the_entry_points_resolve():
         for pattern in patterns:
             assert list((ROOT / package).glob(pattern)), f"package data {package}/{pattern} matches no file"
     assert (ROOT / "serving" / "csrc" / "decode_attention.c").is_file()
-    assert {p.stem for p in (ROOT / "runtime_check").glob("*.py")} == {"__init__", "check", "reference"}
+    assert {p.stem for p in (ROOT / "runtime_check").glob("*.py")} == {"__init__", "canary", "check", "reference"}
 
 
 def test_importing_stages_registers_nothing_with_transformers():

@@ -13,6 +13,10 @@
  * leaving (max, sum, accumulator) partials that one pass merges by the same rule.
  *
  * Built by serving/cpu_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off); called through ctypes.
+ * The wrapper checks every buffer against the shapes it states (serving/cpu_attention.py); what an index read from
+ * data could still make out of bounds is refused here with a negative return code, never read or written: shapes
+ * beyond MAX_D / MAX_G / MAX_ROW_ENTRIES, page rows past the RoPE table, a negative stored outlier count,
+ * list offset or index.
  * The attention's arithmetic is the oracle's (runtime_check/reference.py) up to float32 rounding (summation order);
  * the encoder's (kvcalib_encode, at the end) is the codec's to the bit.
  */
@@ -34,6 +38,8 @@ enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
 #define TILE 16
 #define MAX_D 256
 #define MAX_G 32
+#define MAX_ROW_ENTRIES 32767   /* int16 outlier indices h * D + d: H * D at most this (exporters/layout.py's,
+                                   compared by tests/serving/test_untrusted_binding.py) */
 #define KVCALIB_ABI 1
 
 typedef _Float16 half;
@@ -73,6 +79,7 @@ int kvcalib_abi(void) { return KVCALIB_ABI; }
 int kvcalib_tile(void) { return TILE; }
 int kvcalib_max_d(void) { return MAX_D; }
 int kvcalib_max_g(void) { return MAX_G; }
+int kvcalib_max_row_entries(void) { return MAX_ROW_ENTRIES; }
 
 int kvcalib_threads(void) {
 #ifdef _OPENMP
@@ -146,8 +153,10 @@ static inline __attribute__((always_inline)) void levels_row(const Side *sd, con
         for (int64_t d = 0; d < D; d++) lv[d] = (float)c[d];
 }
 
-/* One stored row (page-relative row t of sequence b, kv head h) of one side -> out[0..D-1] float32, outliers in. */
-static inline __attribute__((always_inline)) void decode_row(const Side *sd, const float *lut16, const int64_t *f, int64_t B, int64_t D,
+/* One stored row (page-relative row t of sequence b, kv head h) of one side -> out[0..D-1] float32, outliers in.
+ * Returns 0, or 1 for a negative outlier count, list offset or index (a corrupt list: nothing read or written
+ * for it). */
+static inline __attribute__((always_inline)) int decode_row(const Side *sd, const float *lut16, const int64_t *f, int64_t B, int64_t D,
                               int64_t b, int64_t h, int64_t t, float *out) {
     const int64_t off = b * f[1] + h * f[2] + t * f[3];
     const int64_t dc = f[4];
@@ -188,15 +197,18 @@ static inline __attribute__((always_inline)) void decode_row(const Side *sd, con
         const int64_t r = t * B + b;   /* token row t of sequence b: outlier row t * B + b */
         const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
         const int64_t first = ((const int64_t *)(intptr_t)(f[12] * 8))[r];
+        if (n < 0 || first < 0) return 1;   /* counts from the data: never a list read before its start */
         const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
         const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
         for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row, ascending (store's order;
                                            a fixed-capacity list ends in entries beyond every row): this head's only */
             const int64_t e = idx[i], eh = e / D;
+            if (e < 0) return 1;   /* e / D would round toward 0 and e % D be negative: a write before the row */
             if (eh > h) break;
             if (eh == h) out[e % D] = (float)val[i];
         }
     }
+    return 0;
 }
 
 typedef struct {
@@ -291,8 +303,9 @@ static inline __attribute__((always_inline)) void run_rows_d(const Call *c, cons
     }
 }
 
-static inline __attribute__((always_inline)) void run_page_d(const Call *c, const Item *it, const float *qs,
-                                                           State *st, float *K, float *V, const int64_t D) {
+static inline __attribute__((always_inline)) int run_page_d(const Call *c, const Item *it, const float *qs,
+                                                          State *st, float *K, float *V, const int64_t D) {
+    int bad = 0;
     const int64_t half_d = D / 2;
     const int64_t *pg = c->pages + it->kind * N_PAGE;
     const int64_t start = pg[0];
@@ -302,7 +315,7 @@ static inline __attribute__((always_inline)) void run_page_d(const Call *c, cons
         const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
         for (int t = 0; t < nt; t++) {
             float *k = K + t * D;
-            decode_row(&c->ks, c->klut16, fk, c->B, D, it->b, it->h, r + t, k);
+            bad |= decode_row(&c->ks, c->klut16, fk, c->B, D, it->b, it->h, r + t, k);
             if (lam)
                 for (int64_t d = 0; d < D; d++) k[d] *= lam[d];
             if (c->rope) {   /* rotate-half at the row's position: x1 cos - x2 sin, x2 cos + x1 sin */
@@ -313,10 +326,12 @@ static inline __attribute__((always_inline)) void run_page_d(const Call *c, cons
                     k[d + half_d] = x2 * cs[d] + x1 * sn[d];
                 }
             }
-            decode_row(&c->vs, c->vlut16, fv, c->B, D, it->b, it->h, r + t, V + t * D);
+            bad |= decode_row(&c->vs, c->vlut16, fv, c->B, D, it->b, it->h, r + t, V + t * D);
         }
+        if (bad) return 1;
         tile_update(st, qs, K, V, nt, c->G, D);
     }
+    return 0;
 }
 
 /* The head dimensions of the models we serve as compile-time constants (the loops over D unrolled, the running
@@ -330,24 +345,33 @@ static void run_rows(const Call *c, const Rows *rw, const Item *it, const float 
     }
 }
 
-static void run_page(const Call *c, const Item *it, const float *qs, State *st, float *K, float *V) {
+static int run_page(const Call *c, const Item *it, const float *qs, State *st, float *K, float *V) {
     switch (c->D) {
-    case 64: run_page_d(c, it, qs, st, K, V, 64); break;
-    case 128: run_page_d(c, it, qs, st, K, V, 128); break;
-    case 256: run_page_d(c, it, qs, st, K, V, 256); break;
-    default: run_page_d(c, it, qs, st, K, V, c->D);
+    case 64: return run_page_d(c, it, qs, st, K, V, 64);
+    case 128: return run_page_d(c, it, qs, st, K, V, 128);
+    case 256: return run_page_d(c, it, qs, st, K, V, 256);
+    default: return run_page_d(c, it, qs, st, K, V, c->D);
     }
 }
 
 /* The attention of every sequence's new token over the layer's cache -> out [B, H_kv * G, D].
- * chunk: rows per work item (a page's rows are cut into runs of at most chunk). Returns 0, or a negative code. */
+ * chunk: rows per work item (a page's rows are cut into runs of at most chunk). Returns 0, or a negative code:
+ * -1 shapes out of range (D, G, H, B, chunk, rows), -2 out of memory, -4 a page's positions past the RoPE table,
+ * -5 a negative stored outlier count, list offset or index. */
 int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
+    if (c->D > MAX_D || c->D < 2 || c->D % 2 || c->G > MAX_G || c->G < 1 || c->H_kv < 1 || c->B < 0 || chunk < 1
+        || c->sink.n < 0 || c->recent.n < 0 || c->n_pages < 0)
+        return -1;
+    for (int64_t i = 0; i < c->n_pages; i++) {   /* positions come from the table: every one within the RoPE's */
+        const int64_t start = c->pages[i * N_PAGE], rows = c->pages[i * N_PAGE + 1];
+        if (rows < 0) return -1;
+        if (c->rope && (start < 0 || start + rows > c->rope_n)) return -4;
+    }
     for (int i = 0; i < 16; i++) {
         c->klut16[i] = c->ks.fmt == FMT_NUQ && c->ks.bits <= 4 && i < (1 << c->ks.bits) ? c->ks.lut[i] : 0.f;
         c->vlut16[i] = c->vs.fmt == FMT_NUQ && c->vs.bits <= 4 && i < (1 << c->vs.bits) ? c->vs.lut[i] : 0.f;
     }
     const int64_t B = c->B, H = c->H_kv, G = c->G, D = c->D;
-    if (D > MAX_D || G > MAX_G || D % 2 || chunk < 1) return -1;
     /* work items, grouped by (sequence, kv head) so that the merge reads each group's partials in a run */
     int64_t per = 0;
     if (c->sink.n) per++;
@@ -370,6 +394,7 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
             if (c->recent.n) items[k++] = (Item){b, h, -2, 0, c->recent.n};
             while (k < k0 + per) items[k++] = (Item){b, h, -3, 0, 0};   /* nothing held: an empty item */
         }
+    int corrupt = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
     for (int64_t i = 0; i < n_items; i++) {
         const Item *it = &items[i];
@@ -387,9 +412,13 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
         memset(pacc, 0, sizeof(float) * (size_t)(G * D));
         if (it->kind == -1) run_rows(c, &c->sink, it, qs, &st, K, V);
         else if (it->kind == -2) run_rows(c, &c->recent, it, qs, &st, K, V);
-        else if (it->kind >= 0) run_page(c, it, qs, &st, K, V);
+        else if (it->kind >= 0 && run_page(c, it, qs, &st, K, V)) {
+#pragma omp atomic write
+            corrupt = 1;
+        }
         for (int64_t g = 0; g < G; g++) { pm[g] = st.m[g]; pl[g] = st.l[g]; }
     }
+    if (corrupt) { free(items); free(part); return -5; }
     /* merge each (sequence, kv head)'s items: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i */
 #pragma omp parallel for num_threads(n_threads)
     for (int64_t bh = 0; bh < B * H; bh++) {
@@ -511,7 +540,14 @@ static float quantile(float *a, int64_t n, float q) {
     return fabsf(w) < 0.5f ? lo + w * diff : hi - diff * (1.f - w);
 }
 
+/* -> the outliers written; -1 beyond out_cap, -2 out of memory, -3 non-finite rows, -4 shapes out of range (D
+ * beyond MAX_D or odd with RoPE, bits outside 1..8, rows not whole groups, an unknown outlier mode, H * D beyond
+ * MAX_ROW_ENTRIES with outliers: their int16 indices and counts would wrap). */
 int64_t kvcalib_encode(const Enc *e) {
+    if (e->D < 1 || e->D > MAX_D || (e->rope && e->D % 2) || e->bits < 1 || e->bits > 8 || e->B < 1 || e->H < 1
+        || e->n < 1 || e->group < 0 || (e->group > 0 && e->n % e->group) || e->outliers < 0 || e->outliers > 3
+        || (e->outliers && e->H * e->D > MAX_ROW_ENTRIES) || e->out_cap < 0)
+        return -4;
     const int64_t B = e->B, H = e->H, n = e->n, D = e->D, hd = D / 2;
     const int64_t n_bytes = (D * e->bits + 7) / 8, levels = (1 << e->bits) - 1;
     const int64_t nm = (int64_t)1 << e->bits;

@@ -118,9 +118,11 @@ def test_the_check_and_gate_records_must_support_their_status(make_artifact, for
     bad_case = {**rc["cases"][0], "ok": False}
     for edit, error, message in [
         (lambda m: m.update(runtime_check={**rc, "cases": [bad_case]}), mf.RecordError,
-         r"runtime_check/status: 1 cases, 1 not ok, no error allow 'failed', got 'passed'"),
+         r"runtime_check/status: 1 cases, 1 not ok, no error, canary ok allow 'failed', got 'passed'"),
+        (lambda m: m.update(runtime_check={**rc, "canary": {**rc["canary"], "ok": False}}), mf.RecordError,
+         r"runtime_check/status: 1 cases, 0 not ok, no error, canary failed allow 'failed', got 'passed'"),
         (lambda m: m.update(runtime_check={**rc, "cases": []}), mf.RecordError, r"0 cases, 0 not ok"),
-        (lambda m: m.update(runtime_check={**rc, "error": "kernel raised"}), mf.RecordError, r"an error allow 'failed'"),
+        (lambda m: m.update(runtime_check={**rc, "error": "kernel raised"}), mf.RecordError, r"an error, canary ok allow 'failed'"),
         (lambda m: m.update(runtime_check={**rc, "max_abs_err": 0.0}), mf.RecordError,
          r"runtime_check/max_abs_err: the maximum over cases is 1.5e-06, got 0.0"),
         (lambda m: m.update(runtime_check={**rc, "cases": [{**rc["cases"][0], "ok": "yes"}]}), mf.SchemaError,

@@ -1,0 +1,89 @@
+"""The quality canary (runtime_check/canary.py): what kernel == oracle cannot see -- calibration that is wrong but
+decodes exactly as the spec says -- it sees, against a limit nothing in the artifact can move."""
+import dataclasses
+
+import pytest
+import torch
+
+from exporters.codec import CachePolicy, TensorPolicy
+from runtime_check import canary
+
+
+def _fp8_policy(n_layers: int, scale: float, n_sink: int = 4, residual: int = 8) -> CachePolicy:
+    t = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=torch.tensor(scale))
+    return CachePolicy(name="fp8-e4m3", layers=[(t, t)] * n_layers, n_sink=n_sink, residual=residual)
+
+
+def test_the_baseline_reads_no_calibrated_tensor_and_keeps_the_sequence_structure():
+    nuq = TensorPolicy(format="nuq", bits=3, axis="channel", codebook=torch.linspace(-1, 1, 8),
+                       zero=torch.zeros(2, 4), range=torch.ones(2, 4))
+    fp8 = TensorPolicy(format="fp8", bits=8, axis="head", fp8_scale=torch.full((2,), 7.0), fp8_dtype="e5m2")
+    fp16 = TensorPolicy(format="fp16", bits=16, axis="tensor")
+    policy = CachePolicy(name="r", layers=[(nuq, fp8), (fp16, nuq)], key_rope="pre", n_sink=16, residual=128,
+                         smooth=torch.ones(2, 2, 4), model={"n_layers": 2})
+    base = canary.baseline_policy(policy)
+    (k0, v0), (k1, v1) = base.layers
+    assert (k0.format, k0.axis, k0.bits, k0.range) == ("uniform", "token", 3, None)
+    assert (v0.format, v0.axis, v0.fp8_dtype, float(v0.fp8_scale)) == ("fp8", "tensor", "e5m2", 1.0)
+    assert (k1.format, v1.format, v1.bits) == ("fp16", "uniform", 3)
+    assert (base.n_sink, base.residual, base.key_rope, base.smooth, base.model) == (16, 128, "post", None, None)
+
+
+def test_the_warm_up_fills_sink_and_residual_then_stored_rows_and_shrinks_to_fit_a_short_model():
+    policy = _fp8_policy(2, 1.0, n_sink=16, residual=128)
+    assert canary.warmup_length(policy) == 16 + 128 + canary.STORED
+    assert canary.lengths(policy, 4096) == (16 + 128 + canary.STORED, canary.TOKENS)
+    warmup, tokens = canary.lengths(policy, 300)
+    assert warmup + tokens <= 299 and warmup > 16 + 128 and tokens >= 16
+    assert canary.lengths(policy, 150) is None  # 16 + 128 + 1 + 16 > 149
+
+
+@pytest.mark.parametrize("kl, base, recorded, ok", [
+    (0.004, 0.003, None, True),       # within max(3 * 0.003, 0.003 + 0.01) = 0.013
+    (0.02, 0.003, None, False),       # beyond it
+    (0.02, 0.01, None, True),         # max(0.03, 0.02) = 0.03
+    (0.004, 0.003, 0.004, True),      # the recorded limit 1.5 * 0.004 + 0.005 = 0.011
+    (0.012, 0.003, 0.004, False),     # within the calibration-free limit, beyond the recorded one
+])
+def test_the_verdict(kl, base, recorded, ok):
+    measured = {"tokens": 128, "warmup": 400, "kl": kl, "agreement": 0.9, "baseline": "b", "baseline_kl": base,
+                "baseline_agreement": 0.9}
+    out = canary.judge(measured, None if recorded is None else {"tokens": 128, "kl": recorded})
+    assert out["ok"] is ok and out["reason"].startswith("passed" if ok else "FAILED")
+    assert out["limit"] == pytest.approx(max(3 * base, base + 0.01))
+    assert out["recorded_kl"] == recorded
+    other = canary.judge(measured, {"tokens": 64, "kl": 0.0})  # another length: not comparable, not used
+    assert other["recorded_kl"] is None
+
+
+def test_a_poisoned_fp8_scale_that_decodes_as_the_spec_says_fails_the_canary_on_a_real_model(smollm2):
+    """SmolLM2: an honest per-tensor fp8 scale (amax / 448 of the window's own K and V) passes; the same artifact
+    with every scale / 37 -- finite, in the format's range, so the loader takes it, and the kernel and the oracle
+    agree on it: every entry above amax / 37 saturates -- fails."""
+    from pipeline.check import eval_ids
+    from stages.hooks import attention_layers, forward_hooks
+
+    model, spec = smollm2.model, smollm2.spec
+    honest = _fp8_policy(spec.n_layers, 1.0, n_sink=4, residual=16)
+    warmup, tokens = canary.lengths(honest, spec.max_positions, 48)
+    ids = eval_ids(smollm2.tokenizer, 1, warmup + tokens)
+    amax = {}
+
+    def grab(i):
+        def hook(_m, _inp, out):
+            amax[i] = max(amax.get(i, 0.0), float(out.abs().max()))
+        return hook
+
+    hooks = [(a.k_proj, grab(i), False) for i, a in enumerate(attention_layers(model))]
+    with torch.no_grad(), forward_hooks(hooks):
+        model(ids)
+    layers = [(TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_scale=torch.tensor(1.5 * amax[i] / 448)),) * 2
+              for i in range(spec.n_layers)]
+    honest = dataclasses.replace(honest, layers=layers)
+    poisoned = dataclasses.replace(honest, layers=[tuple(dataclasses.replace(p, fp8_scale=p.fp8_scale / 37) for p in pair)
+                                                   for pair in layers])
+    good = canary.judge(canary.measure(model, honest, ids, warmup), None)
+    bad = canary.judge(canary.measure(model, poisoned, ids, warmup), None)
+    assert good["ok"], good["reason"]
+    assert not bad["ok"] and bad["kl"] > 3 * good["kl"], bad["reason"]
+    assert bad["baseline_kl"] == good["baseline_kl"]  # the baseline reads nothing of the artifact
