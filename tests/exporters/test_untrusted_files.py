@@ -8,15 +8,14 @@ import json
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from bench.manifest_mutations import deadline  # SIGALRM: a blocked open() of a FIFO fails instead of hanging
 from exporters import compressed_tensors as ct
 from exporters.artifact import (MANIFEST_FILE, MAX_MANIFEST_BYTES, FileKindError, FileSizeError, read_manifest,
                                 tensor_file_bound)
@@ -26,25 +25,6 @@ from exporters.native import load_artifact
 ROOT = Path(__file__).resolve().parents[2]
 SPARSE = 100 << 30   # a sparse file's apparent size: 100 GB in no disk at all
 LIMIT_S = 10         # "within seconds": every refusal below takes milliseconds once the process runs
-
-
-class Hung(Exception):
-    pass
-
-
-@contextmanager
-def deadline(seconds: int = LIMIT_S):
-    """Fail (Hung) instead of blocking forever: SIGALRM interrupts a blocked open() of a FIFO or a hashing loop."""
-    def ring(_signum, _frame):
-        raise Hung(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, ring)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def load_in_subprocess(path: Path) -> tuple[str, float]:
