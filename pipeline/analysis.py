@@ -112,10 +112,10 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
     expected = [(summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_k"),
                  summary.get("evaluation", {}).get("recipes", {}).get(target.name, {}).get("outlier_fraction_v"))] * spec.n_layers
     # sliding-window layers hold at most their window (ledger and fp16 alike)
-    windows = [spec.sliding_window if kind == "sliding" else None for kind in spec.layer_types] or None
+    windows = spec.layer_windows()
     for t in (1024, 8192, 32768, 131072):
         b = predict_bytes(target, t, spec.n_kv_heads, spec.head_dim, expected=expected, windows=windows)
-        rows = sum(t if w is None else min(t, w) for w in (windows or [None] * spec.n_layers))
+        rows = sum(t if w is None else min(t, w) for w in windows)
         fp16 = 2 * spec.n_kv_heads * spec.head_dim * rows * 2
         lines.append(f"| {t} | {b:,.0f} | {fp16:,} | {b / fp16:.3f} |")
     probes_out = drift_out.get("probes")

@@ -46,6 +46,16 @@ def target_of(cfg: RunConfig, recipes: list[QuantConfig]) -> layer_policy.Target
     return layer_policy.Target(cfg.quant, [by_name[n] for n in cfg.layer_policy.options])
 
 
+def evaluated_recipes(cfg: RunConfig, recipes: list[QuantConfig]) -> list[QuantConfig]:
+    """The recipes evaluated alone: all of the run's, but the per-layer policy's options when
+    layer_policy.evaluate_options=false (they are calibrated all the same; the choice never reads their rows)."""
+    lp = cfg.layer_policy
+    if not lp.enabled or lp.evaluate_options:
+        return recipes
+    named = {cfg.quant.name, *cfg.eval.recipes}
+    return [q for q in recipes if q.name in named]
+
+
 def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
     """The run's stage graph: declared stages bound to their configs, inputs before the stages that read them.
     Pure: no model, no data (the runner computes every key from this list alone; Runner.keys_of)."""
@@ -69,8 +79,9 @@ def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
         return graph
     # the reference once, each recipe against it in a stage (and a cache entry) of its own, then the table
     graph.append(evaluate.REFERENCE(evaluate.ReferenceJob()))
-    graph += [evaluate.RECIPE(evaluate.recipe_job(cfg.eval, q)) for q in recipes]
-    graph.append(evaluate.STAGE(evaluate.EvaluateJob(cfg.eval, recipes)))
+    evaluated = evaluated_recipes(cfg, recipes)
+    graph += [evaluate.RECIPE(evaluate.recipe_job(cfg.eval, q)) for q in evaluated]
+    graph.append(evaluate.STAGE(evaluate.EvaluateJob(cfg.eval, evaluated)))
     target = target_of(cfg, recipes)
     if target.options:  # the per-layer sensitivity of each option on calibration windows, then the allocation
         lp = cfg.layer_policy
@@ -79,7 +90,7 @@ def stage_graph(cfg: RunConfig, recipes: list[QuantConfig]) -> list[Bound]:
                   for q in target.options]
         graph.append(layer_policy.MIXED(layer_policy.MixedJob(lp, cfg.eval, target.options)))
     if cfg.data.long_n_samples:  # every recipe (and the mixed policy) again on the long-context windows
-        graph.append(evaluate_long.STAGE(evaluate_long.LongJob(cfg.eval, recipes, target)))
+        graph.append(evaluate_long.STAGE(evaluate_long.LongJob(cfg.eval, evaluated, target)))
     if cfg.sensitivity.enabled:
         graph.append(sensitivity.STAGE(sensitivity.SensitivityJob(cfg.sensitivity, target)))
     if cfg.probes.enabled:

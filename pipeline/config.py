@@ -236,8 +236,11 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         for i, name in enumerate(cfg.layer_policy.options):
             recipe.check_exportable_recipe(by_name[name], f"layer_policy.options[{i}] (recipe {name}): quant")
         if not cfg.eval.enabled:
-            raise UserError("layer_policy.enabled=true needs eval.enabled=true (the options' average bits come from "
-                            "the evaluation); got eval.enabled=false")
+            raise UserError("layer_policy.enabled=true needs eval.enabled=true (the mixed policy is evaluated "
+                            "against the evaluation's reference); got eval.enabled=false")
+        if cfg.layer_policy.seq_len < 0:
+            raise UserError(f"layer_policy.seq_len must be 0 (the evaluation window) or a number of tokens >= 1, "
+                            f"got {cfg.layer_policy.seq_len}")
     if cfg.data.long_n_samples and not cfg.eval.enabled:  # the long windows would be cut and evaluated never
         raise UserError(f"data.long_n_samples={cfg.data.long_n_samples} needs eval.enabled=true (evaluate-long is "
                         f"part of the evaluation); got eval.enabled=false: set data.long_n_samples=0 too, or enable "

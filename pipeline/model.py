@@ -76,6 +76,10 @@ class ModelSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def layer_windows(self) -> list[int | None]:
+        """Per layer the sliding window a local layer holds at most, None for a global layer."""
+        return [self.sliding_window if kind == "sliding" else None for kind in self.layer_types] or [None] * self.n_layers
+
 
 @dataclass
 class LoadedModel:

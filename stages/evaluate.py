@@ -403,7 +403,10 @@ def combine(parts: list[StageResult], cfg: EvalConfig) -> StageResult:
     recipes, tensors, units = {}, {"window_nll.reference": ref_nll}, 0
     for part in parts:
         assert (part.meta["windows"], part.meta["seq_len"]) == (first.meta["windows"], first.meta["seq_len"])
-        assert torch.equal(part.tensors["window_nll.reference"], ref_nll), "recipes evaluated on other references"
+        # the same reference, recomputed from the same hidden states in another process (a cached part): its
+        # float32 head and sums may differ in the last bits (measured: 4e-11 relative at 8192 tokens), never more
+        assert torch.allclose(part.tensors["window_nll.reference"], ref_nll, rtol=1e-9, atol=0.0), (
+            "recipes evaluated on other references")
         recipes.update(part.meta["recipes"])
         tensors.update({k: v for k, v in part.tensors.items() if k != "window_nll.reference"})
         units += part.meta["units"]

@@ -1,10 +1,14 @@
-"""Mixed precision per layer under an average-bits budget (QAQ-style allocation by sensitivity).
+"""Mixed precision per layer under an average-bits budget (QAQ / KVTuner-style allocation by sensitivity).
 
-Inputs: for every candidate option (a recipe of one family, e.g. kvquant-{2,3,4}b-1pct, plus fp16) the isolated
-per-layer KL (only that layer quantized, measured on calibration windows) and the option's average bits per
-element. Greedy by sensitivity per bit saved: start every layer at the most precise option and repeatedly move
-the layer whose next step down costs the least KL per bit saved, until the average fits the budget. The sum of
-isolated KLs is only a proxy -- the chosen stack is evaluated as a whole afterwards.
+Inputs: for every candidate option (a recipe of one family, e.g. kvquant-{2,3,4}b-1pct with the same windows, or
+ones that give keys and values different bits) the isolated per-layer KL (only that layer quantized, measured on
+calibration windows) and the bits each layer holds under it, as the ledger predicts them for a sequence of
+`seq_len` tokens (exporters/ledger.py: codes, scales, sink and recent rows, the recipe's nominal outlier fraction,
+static tensors; a sliding layer's window). Nothing of the evaluation text enters the choice. Greedy by sensitivity
+per bit saved on each layer's lower convex hull: start every layer at its most precise option and repeatedly take,
+over all layers, the move to a cheaper option of that layer that costs the least KL per bit saved, until the
+average fits the budget. The sum of isolated KLs is only a proxy -- the chosen stack is evaluated as a whole
+afterwards, and its bits are the ledger's over what it held, as every recipe's.
 """
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from typing import ClassVar
 import torch
 
 from exporters.codec import CachePolicy
+from exporters.ledger import layer_bytes
+from exporters.served_rows import layer_rows
 from stages import evaluate
 from stages.base import Context, Declaration, InputError, StageResult, eval_units
 from stages.evaluate import EvalConfig
@@ -23,35 +29,55 @@ from stages.recipe import QuantConfig, inputs_of, recipe_policy
 @dataclass
 class Option:
     name: str
-    bits: float                 # average bits per element of this option (from the ledger)
+    bits: float | torch.Tensor  # average bits per element: one figure, or [n_layers] over each layer's held elements
     kl: torch.Tensor            # [n_layers] isolated KL with only that layer on this option
 
 
-def choose(options: list[Option], budget: float) -> list[int]:
-    """-> option index per layer (options sorted by bits, descending)."""
+def choose(options: list[Option], budget: float, weights: torch.Tensor | None = None) -> list[int]:
+    """-> the index (into `options`) of each layer's option. weights [n_layers]: each layer's share of the cache's
+    elements (None: equal shares); the average bits are sum_i weights[i] * bits of layer i's option."""
     if not options:
         raise InputError("layer_policy needs at least one option")
-    order = sorted(range(len(options)), key=lambda i: -options[i].bits)
-    opts = [options[i] for i in order]
-    if budget < opts[-1].bits:
-        raise InputError(f"budget {budget} bits is below the cheapest option {opts[-1].name} ({opts[-1].bits:.3f} bits)")
-    n_layers = opts[0].kl.numel()
-    level = [0] * n_layers
-    avg = lambda: sum(opts[lv].bits for lv in level) / n_layers  # noqa: E731
+    n_layers = options[0].kl.numel()
+    bits = torch.stack([torch.as_tensor(o.bits, dtype=torch.float64).expand(n_layers) for o in options])  # [O, L]
+    kl = torch.stack([o.kl.double() for o in options])
+    w = torch.full((n_layers,), 1.0 / n_layers, dtype=torch.float64) if weights is None else weights.double()
+    cheapest = float((w * bits.min(0).values).sum())
+    if budget < cheapest - 1e-12:
+        names = sorted({options[int(j)].name for j in bits.argmin(0)})
+        raise InputError(f"budget {budget} bits is below the cheapest option {', '.join(names)} ({cheapest:.3f} bits)")
+    # each layer starts at its most precise option (ties: the lower KL)
+    cur = [max(range(len(options)), key=lambda j: (float(bits[j, i]), -float(kl[j, i]))) for i in range(n_layers)]
+    avg = lambda: float(sum(w[i] * bits[c, i] for i, c in enumerate(cur)))  # noqa: E731
     while avg() > budget + 1e-12:
         best, best_cost = None, float("inf")
-        for layer in range(n_layers):
-            lv = level[layer]
-            if lv + 1 >= len(opts):
-                continue
-            saved = opts[lv].bits - opts[lv + 1].bits
-            cost = float(opts[lv + 1].kl[layer] - opts[lv].kl[layer]) / max(saved, 1e-9)
-            if cost < best_cost:
-                best, best_cost = layer, cost
+        for i, c in enumerate(cur):
+            for j in range(len(options)):
+                saved = float(w[i] * (bits[c, i] - bits[j, i]))
+                if saved <= 1e-12:
+                    continue
+                cost = float(kl[j, i] - kl[c, i]) / saved
+                if cost < best_cost:
+                    best, best_cost = (i, j), cost
         if best is None:
             break
-        level[best] += 1
-    return [order[lv] for lv in level]
+        cur[best[0]] = best[1]
+    return cur
+
+
+def layer_bits(policy: CachePolicy, spec, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (bits [n_layers]: average bits per held element of each layer, elements [n_layers]: the K and V elements
+    each layer holds) for a sequence of t tokens, as the ledger predicts them (the recipe's nominal outlier
+    fraction; a sliding layer holds at most its window)."""
+    h, d = spec.n_kv_heads, spec.head_dim
+    bits, elements = [], []
+    for i, (pk, pv) in enumerate(policy.layers):
+        rows = layer_rows(policy, i, spec.layer_windows()[i])
+        held = rows.held(t)
+        n = 2 * (held.n_encoded + held.n_full_precision) * h * d
+        bits.append(8 * layer_bytes(rows, pk, pv, t, h, d) / max(n, 1))
+        elements.append(n)
+    return torch.tensor(bits, dtype=torch.float64), torch.tensor(elements, dtype=torch.float64)
 
 
 def assemble(policies: list[CachePolicy], choice: list[int], name: str) -> CachePolicy:
@@ -72,19 +98,31 @@ class LayerPolicyConfig:
     budget: float = 3.0
     options: list[str] = field(default_factory=lambda: ["kvquant-2b-1pct", "kvquant-3b-1pct", "kvquant-4b-1pct"])
     n_windows: int = 1          # calibration windows for the per-layer sensitivity of each option
+    # the sequence length the budget's bits are counted at (the ledger's prediction, sinks and recent rows
+    # included); 0: the evaluation window (data.eval_seq_len)
+    seq_len: int = 0
+    # each option also evaluated alone, its row beside the mixed policy's in the evaluation table (the choice
+    # does not read it)
+    evaluate_options: bool = True
 
     # not in the cache key: with enabled=false the layer-policy stages are not in the graph at all
-    KEY_EXCLUDED: ClassVar[dict[str, str]] = {"enabled": "whether the stages run, not what they compute"}
+    KEY_EXCLUDED: ClassVar[dict[str, str]] = {
+        "enabled": "whether the stages run, not what they compute",
+        "evaluate_options": "which rows the evaluation table holds, not what the allocation computes"}
 
 
-def fit(options: list[Option], cfg: LayerPolicyConfig) -> StageResult:
-    """options: one per candidate recipe (isolated per-layer KL and average bits) -> the choice per layer."""
+def fit(options: list[Option], cfg: LayerPolicyConfig, weights: torch.Tensor | None = None) -> StageResult:
+    """options: one per candidate recipe (isolated per-layer KL and bits) -> the choice per layer."""
     budget = cfg.budget
-    choice = choose(options, budget)
-    bits = [options[c].bits for c in choice]
+    choice = choose(options, budget, weights)
+    n_layers = options[0].kl.numel()
+    w = torch.full((n_layers,), 1.0 / n_layers, dtype=torch.float64) if weights is None else weights.double()
+    per_layer = [torch.as_tensor(o.bits, dtype=torch.float64).expand(n_layers) for o in options]
+    predicted = float(sum(w[i] * per_layer[c][i] for i, c in enumerate(choice)))
     return StageResult({"choice": torch.tensor(choice)},
-                       {"budget": budget, "options": [o.name for o in options], "option_bits": [o.bits for o in options],
-                        "choice": [options[c].name for c in choice], "predicted_avg_bits": sum(bits) / len(bits),
+                       {"budget": budget, "options": [o.name for o in options],
+                        "option_bits": [float((w * b).sum()) for b in per_layer],
+                        "choice": [options[c].name for c in choice], "predicted_avg_bits": predicted,
                         "predicted_kl": float(sum(options[c].kl[i] for i, c in enumerate(choice)))})
 
 
@@ -122,21 +160,26 @@ def mixed_name(cfg: LayerPolicyConfig) -> str:
 
 
 def _fit_mixed(ctx: Context, inputs: dict, job: MixedJob, progress) -> StageResult:
-    """Sensitivity of each option on calibration windows -> greedy allocation -> the mixed policy, evaluated as a
-    whole on the evaluation windows (isolated effects interact)."""
-    recipes = inputs["evaluate"].meta["recipes"]
-    options = [Option(q.name, recipes[q.name]["avg_bits"], inputs[f"sensitivity-calib-{q.name}"].tensors["kl"][2])
-               for q in job.options]
-    choice = fit(options, job.layer_policy)
+    """Sensitivity of each option on calibration windows and its bits as the ledger predicts them at
+    layer_policy.seq_len -> greedy allocation -> the mixed policy, evaluated as a whole on the evaluation windows
+    (isolated effects interact) against the evaluate-reference stage's hidden states."""
+    t = job.layer_policy.seq_len or ctx.eval.shape[1]
+    policies = [recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.options]
+    options, elements = [], None
+    for q, p in zip(job.options, policies):
+        bits, elements = layer_bits(p, ctx.spec, t)
+        options.append(Option(q.name, bits, inputs[f"sensitivity-calib-{q.name}"].tensors["kl"][2]))
+    choice = fit(options, job.layer_policy, elements / elements.sum())
+    choice.meta["seq_len"] = int(t)
     name = mixed_name(job.layer_policy)
-    mixed = assemble([recipe_policy(q, ctx.spec.n_layers, inputs) for q in job.options],
-                     choice.tensors["choice"].tolist(), name)
-    ev = evaluate.fit(evaluate.Inputs(ctx.model, ctx.spec, ctx.eval, [mixed]), job.eval, progress)
+    mixed = assemble(policies, choice.tensors["choice"].tolist(), name)
+    ev = evaluate.fit(evaluate.Inputs(ctx.model, ctx.spec, ctx.eval, [mixed]), job.eval, progress,
+                      ref_hidden=inputs[evaluate.REFERENCE.name].tensors["hidden"])
     return StageResult({"choice": choice.tensors["choice"], **ev.tensors},
                        {"name": name, "layer_policy": choice.meta, "recipe": ev.meta["recipes"][name]})
 
 
 MIXED = Declaration("evaluate-mixed", MixedJob, _fit_mixed,
-                    inputs=lambda j: ["evaluate", *(f"sensitivity-calib-{q.name}" for q in j.options),
+                    inputs=lambda j: [evaluate.REFERENCE.name, *(f"sensitivity-calib-{q.name}" for q in j.options),
                                       *inputs_of(j.options)],
                     units=eval_units)

@@ -20,10 +20,12 @@ def test_passkey_by_length_counts_depths_per_length():
 def test_targets_pick_the_best_recipe_of_ours_at_no_more_bits():
     row = lambda bits, lo, hi: {"avg_bits": bits, "ppl_ratio": (lo + hi) / 2, "ppl_ratio_ci95": [lo, hi]}  # noqa: E731
     recipes = {"a": row(4.4, 1.001, 1.003), "b": row(2.9, 1.01, 1.05), "c": row(2.4, 1.05, 1.06), "peer": row(2.0, 1.0, 1.0)}
-    lines = target_report(recipes, ["a", "b", "c"])
+    recipes["d"] = row(3.4, 1.009, 1.0130)
+    lines = target_report(recipes, ["a", "b", "c", "d"])
     assert lines[0].startswith("<= 4.5 bits: best a (4.400 bits)") and lines[0].endswith("met")
-    assert lines[1].startswith("<= 3.0 bits: best b") and "midpoint 1.0300 vs target 1.02: NOT met" in lines[1]
-    assert lines[2].startswith("<= 2.5 bits: best c") and "midpoint 1.0550 vs target 1.06: met" in lines[2]
+    assert lines[1].startswith("<= 3.5 bits: best d") and "midpoint 1.0110 vs target 1.01: NOT met" in lines[1]
+    assert lines[2].startswith("<= 3.0 bits: best b") and "midpoint 1.0300 vs target 1.03: met" in lines[2]
+    assert lines[3].startswith("<= 2.5 bits: best c") and "midpoint 1.0550 vs target 1.08: met" in lines[3]
 
 
 def test_bench_long_context_on_the_tiny_model(tmp_path):
@@ -39,7 +41,7 @@ def test_bench_long_context_on_the_tiny_model(tmp_path):
     cmd = [sys.executable, "-m", "bench.long_context", "--model", "tiny", "--seq-len", "512", "--calib-seq-len", "64",
            "--n-samples", "2", "--eval-n-samples", "2", "--recipes", recipes, "--budgets", "16",
            "--passkey-lengths", "256,512", "--passkey-depths", "0.5", "--cache-dir", str(tmp_path / "cache"),
-           "--json", str(out)]
+           "--export-dir", str(tmp_path / "runs"), "--export-budgets", "16", "--json", str(out)]
     env = {**os.environ, "KVCALIB_WIKITEXT": str(data)}
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -57,3 +59,10 @@ def test_bench_long_context_on_the_tiny_model(tmp_path):
     # budget 16: every layer on the most precise option
     assert set(got["layer_policy"]["mixed-16b"]["choice"]) == {"kvquant-4b-1pct+sink16+recent128"}
     assert "KL per eighth of the window" in run.stdout and "passkey: fraction of depths retrieved" in run.stdout
+    # the exported per-layer policy: the artifact a run writes, checked, with the figures the table printed
+    manifest = json.loads((tmp_path / "runs" / "mixed-16b" / "artifact" / "manifest.json").read_text())
+    assert manifest["runtime_check"]["status"] == "passed", manifest["runtime_check"]
+    assert "runtime check passed" in run.stdout
+    summary = json.loads((tmp_path / "runs" / "mixed-16b" / "summary.json").read_text())
+    assert summary["mixed"]["recipe"]["ppl_ratio"] == rows["mixed-16b"]["ppl_ratio"]
+    assert summary["mixed"]["layer_policy"]["seq_len"] == 512

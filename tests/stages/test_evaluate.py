@@ -224,3 +224,19 @@ def test_a_recipes_key_holds_its_recipe_and_the_evaluation_knobs_not_the_other_r
     assert a == b and a.eval.recipes == ["kivi-2"] and a.eval.perturb_seeds == [3]
     assert evaluate.RECIPE(a).name == evaluate.recipe_stage(q) == "evaluate-recipe-kivi-2"
     assert evaluate.RECIPE(a).deps == ("evaluate-reference", "traces")
+
+
+def test_combine_takes_a_cached_part_whose_reference_differs_in_the_last_bits_only():
+    # a part computed in another process: the same reference hidden states through the float32 head, summed in
+    # another order (measured at 8192 tokens: 24439.303579330444 vs 24439.30357837677); another reference is refused
+    def part(name, ref):
+        meta = evaluate._meta({name: {"ppl": 1.0}}, 2, 8, 2, evaluate.EvalConfig())
+        return evaluate.StageResult({"window_nll.reference": torch.tensor(ref, dtype=torch.float64),
+                                     f"window_nll.{name}": torch.ones(1, 2, dtype=torch.float64)}, meta)
+
+    ref = [24140.436606407166, 24439.303579330444]
+    both = evaluate.combine([part("a", ref), part("b", [24140.436606407166, 24439.30357837677])],
+                            evaluate.EvalConfig())
+    assert set(both.meta["recipes"]) == {"a", "b"} and both.tensors["window_nll.reference"].tolist() == ref
+    with pytest.raises(AssertionError, match="other references"):
+        evaluate.combine([part("a", ref), part("b", [24140.436606407166, 24439.31])], evaluate.EvalConfig())
