@@ -45,7 +45,8 @@ continuation's perplexity (teacher-forced next-token NLL of --continuation token
 per-step greedy agreement (the artifact's argmax == the fp16 cache's argmax, same context at every step);
 passkey retrieval (stages/probes.py prompts, needle at 5 depths per --passkey-lengths, 8 greedy tokens) as hits.
 
-A context beyond the model's max_position_embeddings is run with the model's limit raised for that row (RoPE
+A context beyond the model's max_position_embeddings is run with the model's limit -- and the artifact's binding of
+it -- raised for that row (RoPE
 extrapolates; memory and time are still those of that many rows, quality is not claimed): `beyond_positions`.
 An artifact's shared prefix, if it has one, is not served here (as bench/serve.py).
 
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import random
@@ -170,6 +172,10 @@ def make_cache(kind: str, model, policy, block: int, page: int):
 
     if kind == "fp16":
         return DynamicCache(config=model.config)
+    limit = int(model.config.max_position_embeddings)
+    if policy.model is not None and policy.model["max_positions"] < limit:  # positions_for raised the model's limit:
+        # the artifact's binding states the model's own, so the row raises it there too (serving.cache.bind)
+        policy = dataclasses.replace(policy, model={**policy.model, "max_positions": limit})
     return ArtifactCache(policy, model, attention="blockwise" if kind == "artifact" else "materialize", block=block,
                          page=page)
 

@@ -33,3 +33,28 @@ def test_the_smoke_run_writes_every_row_and_the_batch_holds_its_copies(tmp_path)
     assert set(res) >= {"rows", "agreement_per_step_4k", "passkey", "quality", "setup"}
     assert 0 <= res["quality"]["32"]["agreement_per_step"] <= 1
     assert res["passkey"] == {"fp16": 0, "artifact": 0} and res["setup"]["passkey_prompts"] == 0
+
+
+def test_an_artifact_row_beyond_the_models_positions_raises_the_bound_limit_with_it(tiny):
+    # SmolLM2's 16k rows run past its 8192 positions (RoPE extrapolates): the artifact's binding records 8192, and
+    # serving.cache.bind refuses any other number -- the row raises both or neither
+    import dataclasses
+
+    import pytest
+
+    from exporters.manifest import ModelMismatchError
+    from pipeline.config import load_recipe
+    from stages import recipe as recipe_stage
+    from stages.hooks import config_binding
+
+    policy = recipe_stage.build_policy(load_recipe("int4-token"), tiny.spec.n_layers, {})
+    policy = dataclasses.replace(policy, model=config_binding(tiny.model.config))
+    limit = int(tiny.model.config.max_position_embeddings)
+    with serve_memory.positions_for(tiny.model, limit + 100) as beyond:
+        assert beyond
+        cache = serve_memory.make_cache("artifact", tiny.model, policy, serve_memory.BLOCK, serve_memory.PAGE)
+        assert cache.layers[0].max_positions == limit + 100
+        from serving.cache import ArtifactCache
+        with pytest.raises(ModelMismatchError, match="max_positions"):  # what the row did before
+            ArtifactCache(policy, tiny.model)
+    assert int(tiny.model.config.max_position_embeddings) == limit and policy.model["max_positions"] == limit

@@ -1,0 +1,50 @@
+"""layer_policy=long-3b / long-3.5b (conf/layer_policy/) as a user meets them: composed from the command line, on a
+model folder of their own, the run exports the mixed per-layer policy, its runtime check passes, and `check` passes
+on the artifact again."""
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_recipe
+
+from tests.pipeline.test_user_path import SMALL, after, kvcalib, own_model  # noqa: F401 (the fixture)
+
+
+@pytest.mark.parametrize("name, budget", [("long-3b", 2.95), ("long-3.5b", 3.45)])
+def test_the_presets_compose_and_validate(name, budget):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import register_configs, to_typed, validate_run
+    from pipeline.preflight import CONF_DIR
+    from stages.recipe import is_exportable_recipe
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = to_typed(compose(config_name="config", overrides=[f"layer_policy={name}", "model=tiny"]))
+    lp = cfg.layer_policy
+    assert (lp.enabled, lp.budget, lp.seq_len) == (True, budget, 8192)
+    assert len(lp.options) == 8 and {"kvquant-k3v2-1pct+sink16+recent128", "kvquant-2b+sink16+recent128"} <= set(lp.options)
+    validate_run(cfg)
+    assert all(is_exportable_recipe(load_recipe(n)) for n in lp.options)
+
+
+def test_a_user_runs_the_preset_on_their_model_and_gets_a_checked_mixed_artifact(own_model, tmp_path):  # noqa: F811
+    # the budget counted at 4096 tokens (at 8192 the options differ less in the test's 2-layer model's bits)
+    run = kvcalib(["run", "model=llama3", f"model.path={own_model}", "layer_policy=long-3b",
+                   "layer_policy.seq_len=4096", "layer_policy.budget=4.0", f"tracking.uri=sqlite:///{tmp_path}/m.db",
+                   *SMALL], tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    artifact = Path(after("check it again (never modifies it):  kvcalib check", run.stdout))
+    artifact = artifact if artifact.is_absolute() else tmp_path / artifact
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["runtime_check"]["status"] == "passed"
+    summary = json.loads((artifact.parent / "summary.json").read_text())
+    lp = summary["mixed"]["layer_policy"]
+    assert lp["seq_len"] == 4096 and lp["predicted_avg_bits"] <= 4.0
+    # the artifact holds, layer by layer, the option the policy chose: keys and values at its bits
+    for layer, option in zip(manifest["layers"], lp["choice"]):
+        q = load_recipe(option)
+        assert (layer["key"]["bits"], layer["value"]["bits"]) == (q.key.bits, q.value.bits), option
+    check = kvcalib(["check", str(artifact)], tmp_path)
+    assert check.returncode == 0, check.stdout[-2000:] + check.stderr[-2000:]
