@@ -40,8 +40,8 @@ from exporters.served_rows import layer_rows
 from stages.base import Context, Declaration, StageResult, eval_units
 from stages.engine_cache import engine_attention
 from stages.recipe import QuantConfig, inputs_of, recipe_policy
-from stages.hooks import (attend, attention_override, attention_scores, layer_rope, lm_logits, logit_rows,
-                          model_device, rope_tables, sdpa_attention)
+from stages.hooks import (attend, attention_override, attention_scores, layer_rope, layer_windows, lm_logits,
+                          logit_rows, model_device, rope_tables, sdpa_attention)
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _served_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
-                        perturb: Perturbation | None = None):
+                        perturb: Perturbation | None = None, windows: list[int | None] | None = None):
     """An attention function (see stages.hooks) that reads the cache exactly as serving/cache.py serves it
     when the tokens are decoded one at a time: K/V rounded to fp16; the sink rows (max(n_sink, prefix)) kept so;
     every other row through the codec (pre-RoPE recipes: RoPE inverted at the row's position first, then
@@ -149,7 +149,9 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
     encoding and multiplied after); and the residual buffer -- query t reads in fp16 exactly the rows the cache
     still holds unflushed when t is decoded (exporters.served_rows.LayerRows.encoded_end). The served K/V stay
     float32 and the attention is computed in float32, as the block-wise reader and the oracle read the cache;
-    only its output returns in the model's dtype. A sliding layer's window is the model's own mask.
+    only its output returns in the model's dtype. A sliding layer's window is the model's own mask; `windows`
+    (stages.hooks.layer_windows of the model's config; None: all global) tells the ledger which rows such a layer
+    holds when served (exporters.served_rows: the last window's rows, not every row of the evaluation window).
 
     policy and rope may be anywhere (policies are stored on CPU): each layer's calibrated tensors, lambda and RoPE
     table are moved once to the device its keys arrive on, that layer's own (under a device_map, its GPU)."""
@@ -167,7 +169,7 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
     def attn(module, query, key, value, mask, scaling):
         layer = module.layer_idx
         pk, pv, lam, table = layer_state(layer, key.device)
-        rows = layer_rows(policy, layer)
+        rows = layer_rows(policy, layer, windows[layer] if windows else None)
         b, h, t, d = key.shape
         s = rows.sink_end(t)
         k_in, v_in = key.float(), value.float()
@@ -222,7 +224,7 @@ def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy
     if policy.engine is not None:  # a library's own cache, served through that library
         attn = engine_attention(policy.engine, model.config, ledger, perturb)
     else:
-        attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb)
+        attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb, layer_windows(model.config))
     with attention_override(model, attn):
         return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
 

@@ -240,3 +240,23 @@ def test_combine_takes_a_cached_part_whose_reference_differs_in_the_last_bits_on
     assert set(both.meta["recipes"]) == {"a", "b"} and both.tensors["window_nll.reference"].tolist() == ref
     with pytest.raises(AssertionError, match="other references"):
         evaluate.combine([part("a", ref), part("b", [24140.436606407166, 24439.31])], evaluate.EvalConfig())
+
+
+def test_ledger_counts_a_sliding_layer_by_the_rows_it_serves(tiny_gemma3):
+    """A sliding layer holds its window's rows when served, not the whole evaluation window: the evaluation's
+    ledger agrees with exporters.ledger.predict_bytes over the same windows. Tiny Gemma 3: layers 0 and 2 slide
+    over 16 rows, head_dim 32. INT2 per token: 2 + (16 + 16) / 32 = 3 bits; residual 4 rows at 16 bits. At t = 48 a
+    sliding layer holds 12 encoded + 4 fp16 rows (100 bits per row-element), a global one 44 + 4 (196)."""
+    from exporters.ledger import Ledger, predict_bytes
+    from stages.hooks import layer_windows
+    m = tiny_gemma3
+    policy = _policy("int2-r4", INT2, INT2, n_layers=4, residual=4)
+    ids = torch.randint(0, m.model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    ledger = Ledger()
+    with torch.no_grad():
+        evaluate.policy_hidden(m.model, ids, policy, ledger)
+    assert ledger.avg_bits == pytest.approx((2 * 100 + 2 * 196) / (2 * 16 + 2 * 48))
+    windows = layer_windows(m.model.config)
+    assert windows == [16, None, 16, None]
+    h, d = m.spec.n_kv_heads, m.spec.head_dim
+    assert ledger.bits / 8 == pytest.approx(predict_bytes(policy, 48, h, d, windows=windows))
