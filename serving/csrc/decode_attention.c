@@ -89,9 +89,22 @@ int kvcalib_threads(void) {
 #endif
 }
 
+/* 3-bit codes, D % 8 == 0: every 8 codes fill 3 bytes exactly (code j is bits 3j..3j+2 of the row's little-endian
+ * bit string), so each group of 3 bytes is read once as one 24-bit word and cut with fixed shifts -- no per-code
+ * byte index, no bounds test. */
+static inline __attribute__((always_inline)) void unpack3(const uint8_t *p, int64_t D, uint8_t *c) {
+    for (int64_t g = 0; g < D / 8; g++) {
+        const uint8_t *q = p + 3 * g;
+        const uint32_t w = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16;
+        for (int k = 0; k < 8; k++) c[8 * g + k] = (uint8_t)((w >> (3 * k)) & 7);
+    }
+}
+
 /* Codes of one packed row: D codes of `bits` bits -> c[0..D-1]. */
 static inline void unpack(const uint8_t *p, int bits, int64_t D, uint8_t *c) {
-    if (bits == 4) {
+    if (bits == 3 && D % 8 == 0) {
+        unpack3(p, D, c);
+    } else if (bits == 4) {
         for (int64_t j = 0; j < D / 2; j++) {
             uint8_t x = p[j];
             c[2 * j] = x & 15;
@@ -114,8 +127,9 @@ static inline void unpack(const uint8_t *p, int bits, int64_t D, uint8_t *c) {
 }
 
 /* The levels of one packed row of codes: nuq's codebook entry or uniform's code as a float -> lv[0..D-1]. With
- * AVX-512, 2- and 4-bit rows of D % 32 == 0 channels are unpacked 32 codes at a time and mapped through the
- * codebook held in one register (permutexvar); everything else code by code. lut16: the codebook padded to 16. */
+ * AVX-512, 2- and 4-bit rows of D % 32 == 0 channels are unpacked 32 codes at a time and 3-bit rows of D % 16 == 0
+ * by unpack3, and mapped through the codebook held in one register (permutexvar); everything else code by code.
+ * lut16: the codebook padded to 16. */
 static inline __attribute__((always_inline)) void levels_row(const Side *sd, const float *lut16, const uint8_t *p, int64_t D, float *lv) {
 #ifdef __AVX512F__
     if ((sd->bits == 4 || sd->bits == 2) && D % 32 == 0) {
@@ -141,6 +155,17 @@ static inline __attribute__((always_inline)) void levels_row(const Side *sd, con
             const __m512i i0 = _mm512_cvtepu8_epi32(c0), i1 = _mm512_cvtepu8_epi32(c1);
             _mm512_storeu_ps(lv + j, nuq ? _mm512_permutexvar_ps(i0, book) : _mm512_cvtepi32_ps(i0));
             _mm512_storeu_ps(lv + j + 16, nuq ? _mm512_permutexvar_ps(i1, book) : _mm512_cvtepi32_ps(i1));
+        }
+        return;
+    }
+    if (sd->bits == 3 && D % 16 == 0) {   /* whole 3-byte groups cut by unpack3, then 16 codes at a time as above */
+        const __m512 book = _mm512_loadu_ps(lut16);
+        const int nuq = sd->fmt == FMT_NUQ;
+        uint8_t c[MAX_D];
+        unpack3(p, D, c);
+        for (int64_t j = 0; j < D; j += 16) {
+            const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
+            _mm512_storeu_ps(lv + j, nuq ? _mm512_permutexvar_ps(i0, book) : _mm512_cvtepi32_ps(i0));
         }
         return;
     }
