@@ -260,3 +260,10 @@ def test_ledger_counts_a_sliding_layer_by_the_rows_it_serves(tiny_gemma3):
     assert windows == [16, None, 16, None]
     h, d = m.spec.n_kv_heads, m.spec.head_dim
     assert ledger.bits / 8 == pytest.approx(predict_bytes(policy, 48, h, d, windows=windows))
+
+
+def test_the_model_spec_and_the_config_agree_on_windows(tiny_gemma3):
+    """Two readings of one fact: the allocation (stages.layer_policy) reads the windows from the ModelSpec the
+    manifest is written from, the evaluation's ledger from the model's config; they must give the same list."""
+    from stages.hooks import layer_windows
+    assert tiny_gemma3.spec.layer_windows() == layer_windows(tiny_gemma3.model.config) == [16, None, 16, None]
