@@ -1,4 +1,4 @@
-"""layer_policy=long-3b / long-3.5b (conf/layer_policy/) as a user meets them: composed from the command line, on a
+"""layer_policy=long-3b / long-3.5b and their -sliding siblings (conf/layer_policy/) as a user meets them: composed from the command line, on a
 model folder of their own, the run exports the mixed per-layer policy, its runtime check passes, and `check` passes
 on the artifact again."""
 import json
@@ -11,8 +11,9 @@ from pipeline.config import load_recipe
 from tests.pipeline.test_user_path import SMALL, after, kvcalib, own_model  # noqa: F401 (the fixture)
 
 
-@pytest.mark.parametrize("name, budget", [("long-3b", 2.95), ("long-3.5b", 3.45)])
-def test_the_presets_compose_and_validate(name, budget):
+@pytest.mark.parametrize("name, budget, recent", [("long-3b", 2.95, 128), ("long-3.5b", 3.45, 128),
+                                                  ("long-3b-sliding", 2.75, 32), ("long-3.5b-sliding", 3.25, 32)])
+def test_the_presets_compose_and_validate(name, budget, recent):
     from hydra import compose, initialize_config_dir
 
     from pipeline.config import register_configs, to_typed, validate_run
@@ -24,9 +25,13 @@ def test_the_presets_compose_and_validate(name, budget):
         cfg = to_typed(compose(config_name="config", overrides=[f"layer_policy={name}", "model=tiny"]))
     lp = cfg.layer_policy
     assert (lp.enabled, lp.budget, lp.seq_len) == (True, budget, 8192)
-    assert len(lp.options) == 8 and {"kvquant-k3v2-1pct+sink16+recent128", "kvquant-2b+sink16+recent128"} <= set(lp.options)
+    assert len(lp.options) == 8
+    assert {f"kvquant-k3v2-1pct+sink16+recent{recent}", f"kvquant-2b+sink16+recent{recent}"} <= set(lp.options)
     validate_run(cfg)
-    assert all(is_exportable_recipe(load_recipe(n)) for n in lp.options)
+    recipes = [load_recipe(n) for n in lp.options]
+    assert all(is_exportable_recipe(q) for q in recipes)
+    # one family: the policy assembles layers of options that share the RoPE stage, sinks and recent rows
+    assert {(q.key_rope, q.n_sink, q.residual) for q in recipes} == {("pre", 16, recent)}
 
 
 def test_a_user_runs_the_preset_on_their_model_and_gets_a_checked_mixed_artifact(own_model, tmp_path):  # noqa: F811
