@@ -34,8 +34,7 @@ def profile(artifact: str | None, recipe: str | None, model: str, context: int, 
         cache = serve_memory.make_cache("artifact", lm.model, policy, args.block, args.page)
         with serve_memory.served("artifact", lm.model, cache):
             start = time.perf_counter()
-            for s in range(0, context, chunk):
-                lm.model(ids[:, s:min(s + chunk, context)], cache=cache, use_cache=True, logits_to_keep=1)
+            serve_memory.prefill(lm.model, cache, ids, context, chunk)
             prefill_s = time.perf_counter() - start
             for i in range(steps):
                 token = ids[:, context + i:context + i + 1]

@@ -228,6 +228,12 @@ def held(kind: str, cache, model) -> dict:
 
 # ---- one row (a fresh process) ---------------------------------------------------------------------------------
 
+def prefill(model, cache, ids: torch.Tensor, context: int, chunk: int) -> None:
+    """The first `context` tokens of ids into the cache, `chunk` at a time (only the last position's logits)."""
+    for s in range(0, context, chunk):
+        model(ids[:, s:min(s + chunk, context)], cache=cache, use_cache=True, logits_to_keep=1)
+
+
 def measure_row(args, context: int, batch: int, kind: str, dtype: str) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,8 +251,7 @@ def measure_row(args, context: int, batch: int, kind: str, dtype: str) -> dict:
         with served(kind, model, cache):
             start = time.perf_counter()
             with PeakRSS(interval) as prefill_peak:
-                for s in range(0, context, args.chunk):
-                    model(ids[:, s:min(s + args.chunk, context)], cache=cache, use_cache=True, logits_to_keep=1)
+                prefill(model, cache, ids, context, args.chunk)
                 if shared:  # one prefill at batch 1, every stored row then repeated to the batch
                     cache.batch_repeat_interleave(batch)
                     ids = ids.repeat(batch, 1)

@@ -1,6 +1,6 @@
-"""layer_policy=long-3b / long-3.5b and their -sliding siblings (conf/layer_policy/) as a user meets them: composed from the command line, on a
-model folder of their own, the run exports the mixed per-layer policy, its runtime check passes, and `check` passes
-on the artifact again."""
+"""layer_policy=long-3b / long-3.5b and their -sliding siblings (conf/layer_policy/) as a user meets them: composed
+from the command line, on a model folder of their own, the run exports the mixed per-layer policy, its runtime check
+passes, and `check` passes on the artifact again."""
 import json
 from pathlib import Path
 
