@@ -128,7 +128,7 @@ static inline void unpack(const uint8_t *p, int bits, int64_t D, uint8_t *c) {
 
 /* The levels of one packed row of codes: nuq's codebook entry or uniform's code as a float -> lv[0..D-1]. With
  * AVX-512, 2- and 4-bit rows of D % 32 == 0 channels are unpacked 32 codes at a time and 3-bit rows of D % 16 == 0
- * by unpack3, and mapped through the codebook held in one register (permutexvar); everything else code by code.
+ * 16 at a time (one 48-bit word), and mapped through the codebook held in one register (permutexvar); everything else code by code.
  * lut16: the codebook padded to 16. */
 static inline __attribute__((always_inline)) void levels_row(const Side *sd, const float *lut16, const uint8_t *p, int64_t D, float *lv) {
 #ifdef __AVX512F__
@@ -158,13 +158,19 @@ static inline __attribute__((always_inline)) void levels_row(const Side *sd, con
         }
         return;
     }
-    if (sd->bits == 3 && D % 16 == 0) {   /* whole 3-byte groups cut by unpack3, then 16 codes at a time as above */
+    if (sd->bits == 3 && D % 16 == 0) {
+        /* 16 codes are 6 bytes: read as one 48-bit word (memcpy of exactly 6: nothing past the row), its low and
+         * high 24 bits broadcast to lanes 0-7 and 8-15, each lane shifted by 3 * (lane % 8) and masked */
         const __m512 book = _mm512_loadu_ps(lut16);
         const int nuq = sd->fmt == FMT_NUQ;
-        uint8_t c[MAX_D];
-        unpack3(p, D, c);
+        const __m512i shift = _mm512_set_epi32(21, 18, 15, 12, 9, 6, 3, 0, 21, 18, 15, 12, 9, 6, 3, 0);
+        const __m512i seven = _mm512_set1_epi32(7);
         for (int64_t j = 0; j < D; j += 16) {
-            const __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
+            uint64_t w = 0;
+            memcpy(&w, p + 3 * j / 8, 6);   /* little-endian: byte 0 in the low bits, as the packer wrote them */
+            const __m512i both = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32((int)(w & 0xFFFFFF)),
+                                                         _mm512_set1_epi32((int)(w >> 24)));
+            const __m512i i0 = _mm512_and_si512(_mm512_srlv_epi32(both, shift), seven);
             _mm512_storeu_ps(lv + j, nuq ? _mm512_permutexvar_ps(i0, book) : _mm512_cvtepi32_ps(i0));
         }
         return;
