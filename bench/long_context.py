@@ -50,6 +50,7 @@ def long_config(names: list[str], args: argparse.Namespace, budget: float | None
     if budget is not None:  # cfg.quant and eval.recipes as without: the evaluate stage's key is the same
         cfg.layer_policy.enabled, cfg.layer_policy.budget = True, budget
         cfg.layer_policy.options = args.mixed_options.split(",")
+        cfg.layer_policy.full_context_options = [n for n in args.full_context_options.split(",") if n]
         # the options are calibrated, their sensitivity measured and their bits predicted by the ledger at the
         # evaluation window; only the rows --recipes names are evaluated alone
         cfg.layer_policy.evaluate_options = False
@@ -134,6 +135,9 @@ def main() -> None:
     ap.add_argument("--recipes", default=",".join(RECIPES))
     ap.add_argument("--ours", default=None, help="the recipes the targets and peer verdicts pick from (default: every "
                                                    "recipe of the run but fp16 and the peers)")
+    ap.add_argument("--full-context-options", default="",
+                    help="comma list, some of --mixed-options: the only ones a full-context layer may take "
+                         "(layer_policy.full_context_options; empty: all)")
     ap.add_argument("--budgets", default="", help="comma list of average-bits budgets for the per-layer policy")
     ap.add_argument("--mixed-options", default=",".join(MIXED_OPTIONS))
     ap.add_argument("--passkey-lengths", default=None, help="default: the model's (1k ... 8k; Gemma 3 to 32k)")

@@ -238,6 +238,10 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         if not cfg.eval.enabled:
             raise UserError("layer_policy.enabled=true needs eval.enabled=true (the mixed policy is evaluated "
                             "against the evaluation's reference); got eval.enabled=false")
+        unknown = sorted(set(cfg.layer_policy.full_context_options) - set(cfg.layer_policy.options))
+        if unknown:
+            raise UserError(f"layer_policy.full_context_options must each be one of layer_policy.options "
+                            f"{list(cfg.layer_policy.options)}, got {unknown}")
         if cfg.layer_policy.seq_len < 0:
             raise UserError(f"layer_policy.seq_len must be 0 (the evaluation window) or a number of tokens >= 1, "
                             f"got {cfg.layer_policy.seq_len}")

@@ -33,28 +33,35 @@ class Option:
     kl: torch.Tensor            # [n_layers] isolated KL with only that layer on this option
 
 
-def choose(options: list[Option], budget: float, weights: torch.Tensor | None = None) -> list[int]:
+def choose(options: list[Option], budget: float, weights: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None) -> list[int]:
     """-> the index (into `options`) of each layer's option. weights [n_layers]: each layer's share of the cache's
-    elements (None: equal shares); the average bits are sum_i weights[i] * bits of layer i's option."""
+    elements (None: equal shares); the average bits are sum_i weights[i] * bits of layer i's option. allowed
+    [n_options, n_layers] bool: the options each layer may take (None: all; every layer needs one)."""
     if not options:
         raise InputError("layer_policy needs at least one option")
     n_layers = options[0].kl.numel()
     bits = torch.stack([torch.as_tensor(o.bits, dtype=torch.float64).expand(n_layers) for o in options])  # [O, L]
     kl = torch.stack([o.kl.double() for o in options])
+    ok = torch.ones_like(bits, dtype=torch.bool) if allowed is None else allowed.bool()
+    if not bool(ok.any(0).all()):
+        raise InputError(f"layer_policy: layers {(~ok.any(0)).nonzero().flatten().tolist()} are allowed no option")
     w = torch.full((n_layers,), 1.0 / n_layers, dtype=torch.float64) if weights is None else weights.double()
-    cheapest = float((w * bits.min(0).values).sum())
+    bits_ok = bits.masked_fill(~ok, float("inf"))
+    cheapest = float((w * bits_ok.min(0).values).sum())
     if budget < cheapest - 1e-12:
-        names = sorted({options[int(j)].name for j in bits.argmin(0)})
+        names = sorted({options[int(j)].name for j in bits_ok.argmin(0)})
         raise InputError(f"budget {budget} bits is below the cheapest option {', '.join(names)} ({cheapest:.3f} bits)")
-    # each layer starts at its most precise option (ties: the lower KL)
-    cur = [max(range(len(options)), key=lambda j: (float(bits[j, i]), -float(kl[j, i]))) for i in range(n_layers)]
+    # each layer starts at its most precise allowed option (ties: the lower KL)
+    cur = [max((j for j in range(len(options)) if ok[j, i]), key=lambda j: (float(bits[j, i]), -float(kl[j, i])))
+           for i in range(n_layers)]
     avg = lambda: float(sum(w[i] * bits[c, i] for i, c in enumerate(cur)))  # noqa: E731
     while avg() > budget + 1e-12:
         best, best_cost = None, float("inf")
         for i, c in enumerate(cur):
             for j in range(len(options)):
                 saved = float(w[i] * (bits[c, i] - bits[j, i]))
-                if saved <= 1e-12:
+                if saved <= 1e-12 or not ok[j, i]:
                     continue
                 cost = float(kl[j, i] - kl[c, i]) / saved
                 if cost < best_cost:
@@ -101,6 +108,10 @@ class LayerPolicyConfig:
     # the sequence length the budget's bits are counted at (the ledger's prediction, sinks and recent rows
     # included); 0: the evaluation window (data.eval_seq_len)
     seq_len: int = 0
+    # options a full-context layer (one without a sliding window: all of a Llama's, Gemma 3's global layers) may
+    # take, each one of `options`; empty: all of them. The KL is measured on calibration windows shorter than the
+    # served sequence, where a full-context layer's reach is not seen: retrieval at 8k rests on those layers.
+    full_context_options: list[str] = field(default_factory=list)
     # each option also evaluated alone, its row beside the mixed policy's in the evaluation table (the choice
     # does not read it)
     evaluate_options: bool = True
@@ -111,11 +122,29 @@ class LayerPolicyConfig:
         "evaluate_options": "which rows the evaluation table holds, not what the allocation computes"}
 
 
-def fit(options: list[Option], cfg: LayerPolicyConfig, weights: torch.Tensor | None = None) -> StageResult:
-    """options: one per candidate recipe (isolated per-layer KL and bits) -> the choice per layer."""
+def allowed_options(names: list[str], cfg: LayerPolicyConfig, windows: list[int | None]) -> torch.Tensor:
+    """-> [n_options, n_layers] bool: which option each layer may take (windows: per layer its sliding window,
+    None for a full-context layer)."""
+    ok = torch.ones(len(names), len(windows), dtype=torch.bool)
+    if cfg.full_context_options:
+        unknown = sorted(set(cfg.full_context_options) - set(names))
+        if unknown:
+            raise InputError(f"layer_policy.full_context_options must each be one of layer_policy.options {names}, "
+                             f"got {unknown}")
+        for i, window in enumerate(windows):
+            if window is None:
+                ok[:, i] = torch.tensor([n in cfg.full_context_options for n in names])
+    return ok
+
+
+def fit(options: list[Option], cfg: LayerPolicyConfig, weights: torch.Tensor | None = None,
+        windows: list[int | None] | None = None) -> StageResult:
+    """options: one per candidate recipe (isolated per-layer KL and bits) -> the choice per layer. windows: per
+    layer its sliding window or None (full context; None for the list: every layer)."""
     budget = cfg.budget
-    choice = choose(options, budget, weights)
-    n_layers = options[0].kl.numel()
+    n_layers = options[0].kl.numel() if options else 0
+    allowed = allowed_options([o.name for o in options], cfg, windows or [None] * n_layers)
+    choice = choose(options, budget, weights, allowed)
     w = torch.full((n_layers,), 1.0 / n_layers, dtype=torch.float64) if weights is None else weights.double()
     per_layer = [torch.as_tensor(o.bits, dtype=torch.float64).expand(n_layers) for o in options]
     predicted = float(sum(w[i] * per_layer[c][i] for i, c in enumerate(choice)))
@@ -169,7 +198,7 @@ def _fit_mixed(ctx: Context, inputs: dict, job: MixedJob, progress) -> StageResu
     for q, p in zip(job.options, policies):
         bits, elements = layer_bits(p, ctx.spec, t)
         options.append(Option(q.name, bits, inputs[f"sensitivity-calib-{q.name}"].tensors["kl"][2]))
-    choice = fit(options, job.layer_policy, elements / elements.sum())
+    choice = fit(options, job.layer_policy, elements / elements.sum(), ctx.spec.layer_windows())
     choice.meta["seq_len"] = int(t)
     name = mixed_name(job.layer_policy)
     mixed = assemble(policies, choice.tensors["choice"].tolist(), name)

@@ -6,7 +6,7 @@ from exporters.codec import CodecError
 from pipeline.app import run_pipeline
 from pipeline.config import validate_run
 from pipeline.config import EvalConfig, LayerPolicyConfig, ModelConfig, RunConfig, load_recipe
-from pipeline.errors import user_errors
+from pipeline.errors import UserError, user_errors
 
 NOT_LOADED = ModelConfig(source="local", path="/nonexistent/kvcalib-test-model")  # loading it would fail
 
@@ -34,6 +34,15 @@ def test_a_peer_format_as_a_layer_policy_option_is_refused():
                     layer_policy=LayerPolicyConfig(enabled=True, options=["kvquant-3b-1pct", "vllm-int4-per-token-head"]))
     with pytest.raises(CodecError, match=r"^layer_policy\.options\[1\] \(recipe vllm-int4-per-token-head\): quant\.key: "
                                          r"format rht_int with axis token is evaluation-only"):
+        validate_run(cfg)
+
+
+def test_full_context_options_outside_the_options_are_refused_by_name():
+    cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=["fp16"]),
+                    layer_policy=LayerPolicyConfig(enabled=True, options=["kvquant-3b-1pct", "kvquant-2b-1pct"],
+                                                   full_context_options=["kvquant-3b-1pct", "kvquant-4b-1pct"]))
+    with pytest.raises(UserError, match=r"^layer_policy\.full_context_options must each be one of layer_policy\.options "
+                                        r"\['kvquant-3b-1pct', 'kvquant-2b-1pct'\], got \['kvquant-4b-1pct'\]"):
         validate_run(cfg)
 
 

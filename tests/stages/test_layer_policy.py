@@ -36,6 +36,26 @@ def test_a_step_over_an_option_that_saves_nothing_is_never_taken():
     assert choose(opts, budget=2.0) == [2]
 
 
+def test_full_context_layers_take_only_their_options():
+    # layer 1 is full context (window None) and looks cheap to cut at 2 bits; held to 4 / 3 bits, the budget is
+    # met on the sliding layer 0 instead
+    opts = [Option("4b", 4.0, torch.tensor([0.0, 0.0])),
+            Option("3b", 3.0, torch.tensor([0.1, 0.2])),
+            Option("2b", 2.0, torch.tensor([0.3, 0.2]))]
+    free = layer_policy.LayerPolicyConfig(budget=2.5, options=["4b", "3b", "2b"])
+    held = dataclasses.replace(free, full_context_options=["4b", "3b"])
+    pick = lambda cfg: layer_policy.fit(opts, cfg, windows=[512, None]).meta["choice"]  # noqa: E731
+    assert pick(free) == ["3b", "2b"]
+    assert pick(held) == ["2b", "3b"]
+    allowed = layer_policy.allowed_options(["4b", "3b", "2b"], held, [512, None])
+    assert allowed.tolist() == [[True, True], [True, True], [True, False]]
+    # below what the held layer can reach: refused with the cheapest allowed bits
+    with pytest.raises(layer_policy.InputError, match=r"budget 2.4 bits .* \(2.500 bits\)"):
+        layer_policy.fit(opts, dataclasses.replace(held, budget=2.4), windows=[512, None])
+    with pytest.raises(layer_policy.InputError, match=r"full_context_options .* got \['8b'\]"):
+        layer_policy.allowed_options(["4b"], dataclasses.replace(held, full_context_options=["8b"]), [None])
+
+
 def test_a_larger_layer_saves_more_bits_per_step():
     # layer 1 holds 3x the elements of layer 0: its step saves 1.5 average bits for KL 0.3 (0.2 per bit) against
     # layer 0's 0.5 for 0.2 (0.4 per bit)
