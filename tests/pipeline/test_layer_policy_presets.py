@@ -12,7 +12,7 @@ from tests.pipeline.test_user_path import SMALL, after, kvcalib, own_model  # no
 
 
 @pytest.mark.parametrize("name, budget, recent", [("long-3b", 2.95, 128), ("long-3.5b", 3.45, 128),
-                                                  ("long-3b-sliding", 2.75, 32), ("long-3.5b-sliding", 3.25, 32)])
+                                                  ("long-3b-sliding", 2.75, 32), ("long-3.5b-sliding", 3.2, 32)])
 def test_the_presets_compose_and_validate(name, budget, recent):
     from hydra import compose, initialize_config_dir
 
@@ -27,6 +27,10 @@ def test_the_presets_compose_and_validate(name, budget, recent):
     assert (lp.enabled, lp.budget, lp.seq_len) == (True, budget, 8192)
     assert len(lp.options) == 8
     assert {f"kvquant-k3v2-1pct+sink16+recent{recent}", f"kvquant-2b+sink16+recent{recent}"} <= set(lp.options)
+    # the full-context layers' options (long-3.5b-sliding: none with both sides at 2 bits) are some of the options
+    assert set(lp.full_context_options) <= set(lp.options)
+    assert not any(n.startswith("kvquant-2b") for n in lp.full_context_options)
+    assert bool(lp.full_context_options) == (name == "long-3.5b-sliding")
     validate_run(cfg)
     recipes = [load_recipe(n) for n in lp.options]
     assert all(is_exportable_recipe(q) for q in recipes)
