@@ -128,8 +128,8 @@ static inline void unpack(const uint8_t *p, int bits, int64_t D, uint8_t *c) {
 
 /* The levels of one packed row of codes: nuq's codebook entry or uniform's code as a float -> lv[0..D-1]. With
  * AVX-512, 2- and 4-bit rows of D % 32 == 0 channels are unpacked 32 codes at a time and 3-bit rows of D % 16 == 0
- * 16 at a time (one 48-bit word), and mapped through the codebook held in one register (permutexvar); everything else code by code.
- * lut16: the codebook padded to 16. */
+ * 16 at a time (one 48-bit word), and mapped through the codebook held in one register (permutexvar); everything
+ * else code by code. lut16: the codebook padded to 16. */
 static inline __attribute__((always_inline)) void levels_row(const Side *sd, const float *lut16, const uint8_t *p, int64_t D, float *lv) {
 #ifdef __AVX512F__
     if ((sd->bits == 4 || sd->bits == 2) && D % 32 == 0) {

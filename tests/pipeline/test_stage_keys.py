@@ -111,7 +111,8 @@ def test_every_run_config_field_a_stage_reads_moves_a_key(tmp_path):
     sections = ("traces", "fisher", "smooth", "prefix", "codebooks", "eval", "layer_policy", "sensitivity", "probes",
                 "quant")
     allowed = {("codebooks", "weighting"): "query-scale2", ("fisher", "recompute"): "never",
-               ("eval", "recipes"): RECIPES[:-1], ("quant", "key_rope"): "post", ("quant", "name"): "renamed"}
+               ("eval", "recipes"): RECIPES[:-1], ("quant", "key_rope"): "post", ("quant", "name"): "renamed",
+               ("layer_policy", "full_context_options"): ["kvquant-3b-1pct", "kvquant-4b-1pct"]}
     for section in sections:
         for path, value, excluded in _leaves(getattr(cfg, section), (section,)):
             if path[-1] == "library" or path[:2] == ("quant", "engine"):
