@@ -18,7 +18,7 @@ from stages.codebooks import CodebookConfig, check_weighting
 from stages.evaluate import EvalConfig
 from stages.fisher import FisherConfig
 from stages.gate import GateConfig
-from stages.layer_policy import LayerPolicyConfig
+from stages.layer_policy import LayerPolicyConfig, unknown_full_context
 from stages.prefix_tokens import PrefixConfig
 from stages.probes import ProbeConfig
 from stages.recipe import QuantConfig, TensorQuantConfig
@@ -238,10 +238,9 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
         if not cfg.eval.enabled:
             raise UserError("layer_policy.enabled=true needs eval.enabled=true (the mixed policy is evaluated "
                             "against the evaluation's reference); got eval.enabled=false")
-        unknown = sorted(set(cfg.layer_policy.full_context_options) - set(cfg.layer_policy.options))
-        if unknown:
-            raise UserError(f"layer_policy.full_context_options must each be one of layer_policy.options "
-                            f"{list(cfg.layer_policy.options)}, got {unknown}")
+        msg = unknown_full_context(list(cfg.layer_policy.options), list(cfg.layer_policy.full_context_options))
+        if msg is not None:
+            raise UserError(msg)
         if cfg.layer_policy.seq_len < 0:
             raise UserError(f"layer_policy.seq_len must be 0 (the evaluation window) or a number of tokens >= 1, "
                             f"got {cfg.layer_policy.seq_len}")

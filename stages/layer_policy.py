@@ -51,7 +51,14 @@ def choose(options: list[Option], budget: float, weights: torch.Tensor | None = 
     cheapest = float((w * bits_ok.min(0).values).sum())
     if budget < cheapest - 1e-12:
         names = sorted({options[int(j)].name for j in bits_ok.argmin(0)})
-        raise InputError(f"budget {budget} bits is below the cheapest option {', '.join(names)} ({cheapest:.3f} bits)")
+        msg = f"budget {budget} bits is below the cheapest option {', '.join(names)} ({cheapest:.3f} bits)"
+        held = (~ok).any(0)
+        free = float((w * bits.min(0).values).sum())
+        if bool(held.any()) and free < cheapest - 1e-12:
+            msg += (f"; layers {held.nonzero().flatten().tolist()} may take only layer_policy.full_context_options, "
+                    f"which sets that floor (without it the cheapest is {free:.3f} bits): raise the budget, or "
+                    f"widen or empty layer_policy.full_context_options")
+        raise InputError(msg)
     # each layer starts at its most precise allowed option (ties: the lower KL)
     cur = [max((j for j in range(len(options)) if ok[j, i]), key=lambda j: (float(bits[j, i]), -float(kl[j, i])))
            for i in range(n_layers)]
@@ -122,15 +129,22 @@ class LayerPolicyConfig:
         "evaluate_options": "which rows the evaluation table holds, not what the allocation computes"}
 
 
+def unknown_full_context(names: list[str], full_context_options: list[str]) -> str | None:
+    """The refusal of full_context_options outside the options (None: each is one of them); the run's early check
+    (pipeline/config.py) and the stage called as a library raise it."""
+    unknown = sorted(set(full_context_options) - set(names))
+    if not unknown:
+        return None
+    return f"layer_policy.full_context_options must each be one of layer_policy.options {list(names)}, got {unknown}"
+
+
 def allowed_options(names: list[str], cfg: LayerPolicyConfig, windows: list[int | None]) -> torch.Tensor:
     """-> [n_options, n_layers] bool: which option each layer may take (windows: per layer its sliding window,
     None for a full-context layer)."""
     ok = torch.ones(len(names), len(windows), dtype=torch.bool)
     if cfg.full_context_options:
-        unknown = sorted(set(cfg.full_context_options) - set(names))
-        if unknown:
-            raise InputError(f"layer_policy.full_context_options must each be one of layer_policy.options {names}, "
-                             f"got {unknown}")
+        if (msg := unknown_full_context(names, cfg.full_context_options)) is not None:
+            raise InputError(msg)
         for i, window in enumerate(windows):
             if window is None:
                 ok[:, i] = torch.tensor([n in cfg.full_context_options for n in names])

@@ -49,9 +49,15 @@ def test_full_context_layers_take_only_their_options():
     assert pick(held) == ["2b", "3b"]
     allowed = layer_policy.allowed_options(["4b", "3b", "2b"], held, [512, None])
     assert allowed.tolist() == [[True, True], [True, True], [True, False]]
-    # below what the held layer can reach: refused with the cheapest allowed bits
-    with pytest.raises(layer_policy.InputError, match=r"budget 2.4 bits .* \(2.500 bits\)"):
+    # below what the held layer can reach: refused with the cheapest allowed bits, the floor named as the reason
+    # and the cheapest without it (2.000)
+    with pytest.raises(layer_policy.InputError, match=r"budget 2.4 bits .* \(2.500 bits\); layers \[1\] may take only "
+                       r"layer_policy.full_context_options, which sets that floor \(without it the cheapest is 2.000"):
         layer_policy.fit(opts, dataclasses.replace(held, budget=2.4), windows=[512, None])
+    # a budget below every option: the floor is not the reason, and the message does not say it is
+    with pytest.raises(layer_policy.InputError) as refused:
+        layer_policy.fit(opts, dataclasses.replace(free, budget=1.5), windows=[512, None])
+    assert "full_context_options" not in str(refused.value)
     with pytest.raises(layer_policy.InputError, match=r"full_context_options .* got \['8b'\]"):
         layer_policy.allowed_options(["4b"], dataclasses.replace(held, full_context_options=["8b"]), [None])
 
