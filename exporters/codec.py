@@ -11,6 +11,7 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
     clip="mse" (axis token, evaluation-only; OSCAR-style clipping): the row's [min, max] is first shrunk about
     its midpoint to [mid - r * half, mid + r * half], r the ratio of CLIP_RATIOS whose reconstruction has the
     least squared error on that row; entries past it saturate at the end codes. The stored form is unchanged.
+    nuq per token takes the same clip: range = r * (max - min) / 2, r of least squared error over the codebook.
 - nuq (KVQuant, Hooper et al. 2024 sec. 3.3-3.4): a codebook of L sorted levels in [-1, 1].
     axis="channel" (keys): static zero / range per (head, channel) from calibration.
     axis="token" (values): per (token, head), zero = (max + min) / 2 and range = (max - min) / 2 of the inliers.
@@ -427,15 +428,41 @@ def _decode_uniform(e: Encoded, p: TensorPolicy) -> torch.Tensor:
     return _restore_outliers(x, e, p)
 
 
+def _nuq_codes(x: torch.Tensor, zero: torch.Tensor, rng: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    xn = torch.where(rng > 0, (x - zero) / torch.where(rng > 0, rng, 1), 0).clamp(-1, 1)
+    return nearest_level(xn, codebook)
+
+
+def _clipped_nuq_codes(x: torch.Tensor, codebook: torch.Tensor):
+    """clip "mse" for nuq per token: per row, the ratio r of CLIP_RATIOS (range r * (max - min) / 2 about the
+    midpoint) whose codebook reconstruction has the least squared error -> (codes, zero, range)."""
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    zero = _fp16((mx + mn) / 2)
+    best = best_err = None
+    for r in CLIP_RATIOS:
+        rng = _fp16(r * (mx - mn) / 2)
+        codes = _nuq_codes(x, zero, rng, codebook)
+        err = (codebook[codes.long()] * rng + zero - x).square().sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = (codes, rng), err
+            continue
+        better = err < best_err
+        best = (torch.where(better, codes, best[0]), torch.where(better, rng, best[1]))
+        best_err = torch.minimum(err, best_err)
+    return best[0], zero, best[1]
+
+
 def _encode_nuq(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
     inlier, out_idx, out_val = _split_outliers(x, p)
     if p.axis == "channel":
         zero, rng = p.zero.float()[None, :, None, :], p.range.float()[None, :, None, :]
+        codes = _nuq_codes(inlier, zero, rng, p.codebook.float())
+    elif p.clip == "mse":
+        codes, zero, rng = _clipped_nuq_codes(inlier, p.codebook.float())
     else:
         mn, mx = inlier.amin(-1, keepdim=True), inlier.amax(-1, keepdim=True)
         zero, rng = _fp16((mx + mn) / 2), _fp16((mx - mn) / 2)
-    xn = torch.where(rng > 0, (inlier - zero) / torch.where(rng > 0, rng, 1), 0).clamp(-1, 1)
-    codes = nearest_level(xn, p.codebook.float())
+        codes = _nuq_codes(inlier, zero, rng, p.codebook.float())
     scale = rng if p.axis == "token" else None
     zero_out = zero if p.axis == "token" else None
     return Encoded(tuple(x.shape), codes=codes, scale=scale, zero=zero_out, outlier_index=out_idx,
@@ -842,7 +869,7 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
            clip_axes=("token",), group_axes=("channel",), zero_point="min"),
     Format("nuq", ("token", "channel"), ALLOWED_BITS, _encode_nuq, _decode_nuq, _code_dense_bits,
            _token_scale_and_zero, export_axes=("token", "channel"), outliers=True, rotation=True,
-           zero_point="midpoint"),
+           clip_axes=("token",), zero_point="midpoint"),
     Format("fp8", ("tensor", "head", "token", "unscaled"), (FP8_BITS,), _encode_fp8, _decode_fp8, _fp8_dense_bits,
            _fp8_row_meta, export_axes=("tensor", "head"), settings=("fp8_dtype", "fp8_rounding")),
     Format("int_sym", ("token",), (4, 8), _encode_int_sym, _decode_int_sym, _code_dense_bits, _fp32_scale),

@@ -308,11 +308,30 @@ def test_clip_never_does_worse_than_min_max_per_row():
             assert torch.allclose(got, torch.tensor(_clip_by_hand(x[0, 1, t].tolist(), bits)), atol=1e-4)
 
 
+def test_clip_on_nuq_rows_searches_the_range_over_the_codebook():
+    # the codebook's levels reach +-1 of the range: a row with one large entry reads back better shrunk
+    cb = torch.tensor([-1.0, -0.3, 0.3, 1.0])
+    x = t4([[0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 10.0], [-1.0, -0.3, 0.3, 1.0, -1.0, -0.3, 0.3, 1.0]])
+    plain = TensorPolicy(format="nuq", bits=2, axis="token", codebook=cb)
+    clip = dataclasses.replace(plain, clip="mse")
+    e = encode(x, clip)
+    y_plain, y_clip = fake_quant(x, plain)[0], fake_quant(x, clip)[0]
+    assert torch.equal(y_clip[..., 1, :], x[..., 1, :])          # on the codebook: ratio 1, exact
+    assert e.scale[0, 0, 0, 0] < encode(x, plain).scale[0, 0, 0, 0]
+    err = lambda y: (y - x)[0, 0, 0].square().sum()              # noqa: E731
+    assert err(y_clip) < err(y_plain)
+    # by hand: every ratio's range about the midpoint 5.0, the least squared error wins
+    best = min((float(((cb[((x[0, 0, 0] - 5.0) / (r * 5.0)).clamp(-1, 1)[:, None].sub(cb).abs().argmin(1)]
+                        * r * 5.0 + 5.0) - x[0, 0, 0]).square().sum()), i) for i, r in enumerate(codec.CLIP_RATIOS))
+    assert abs(float(err(y_clip)) - best[0]) < 1e-3
+
+
 def test_clip_is_refused_where_it_does_not_apply_and_where_a_policy_is_exported():
     with pytest.raises(CodecError, match=r"k\.clip must be one of \('none', 'mse'\), got 'p99'"):
         TensorPolicy(format="uniform", bits=2, axis="token", clip="p99").validate_config("k")
-    with pytest.raises(CodecError, match=r"k\.clip applies to uniform \(axis token\) only, got format nuq with axis token"):
-        TensorPolicy(format="nuq", bits=2, axis="token", clip="mse").validate_config("k")
+    with pytest.raises(CodecError, match=r"k\.clip applies to uniform \(axis token\); nuq \(axis token\) only, got format "
+                                         r"nuq with axis channel"):
+        TensorPolicy(format="nuq", bits=2, axis="channel", clip="mse").validate_config("k")
     with pytest.raises(CodecError, match=r"got format uniform with axis channel"):
         TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4, clip="mse").validate_config("k")
     p = TensorPolicy(format="uniform", bits=2, axis="token", clip="mse")
