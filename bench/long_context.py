@@ -30,9 +30,11 @@ from stages.recipe import recipe_policy
 
 WINDOWED = ["kvquant-3b-1pct+sink16+recent128", "kvquant-2b-1pct+sink16+recent128", "kvquant-2b+sink16+recent128"]
 # what engines ship (docs/peer-formats.md), KIVI with its own 128-row residual window
-PEERS = ["fp8-e4m3", "vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
-         "vllm-turboquant-3bit-nc", "kivi-4", "kivi-2"]
-RECIPES = ["fp16", "kvquant-2b-1pct"] + WINDOWED + PEERS
+DEFAULT_PEERS = ["fp8-e4m3", "vllm-int4-per-token-head", "vllm-turboquant-4bit-nc", "vllm-turboquant-k3v4-nc",
+                 "vllm-turboquant-3bit-nc", "kivi-4", "kivi-2"]
+# every recipe the verdicts treat as a peer (what users would otherwise pick), named in --recipes or by default
+PEERS = DEFAULT_PEERS + ["vllm-turboquant-k8v4", "oscar-style-int2", "oscar-style-int2-noclip"]
+RECIPES = ["fp16", "kvquant-2b-1pct"] + WINDOWED + DEFAULT_PEERS
 # the per-layer policy's options (chosen on the dev split, docs/long-context.md): keys and values at 4 / 3 / 2 bits,
 # or split, with 1% outliers, and 2 bits without; all with the same windows
 MIXED_OPTIONS = [f"kvquant-{b}-1pct+sink16+recent128" for b in ("4b", "3b", "2b", "k4v3", "k3v4", "k3v2", "k2v3")] + [
