@@ -1,6 +1,6 @@
-"""layer_policy=long-3b / long-3.5b and their -sliding siblings (conf/layer_policy/) as a user meets them: composed
-from the command line, on a model folder of their own, the run exports the mixed per-layer policy, its runtime check
-passes, and `check` passes on the artifact again."""
+"""layer_policy=long-3b / long-3.5b / long-2.5b and the -sliding siblings (conf/layer_policy/) as a user meets them:
+composed from the command line, on a model folder of their own, the run exports the mixed per-layer policy, its
+runtime check passes, and `check` passes on the artifact again."""
 import json
 from pathlib import Path
 
@@ -12,7 +12,8 @@ from tests.pipeline.test_user_path import SMALL, after, kvcalib, own_model  # no
 
 
 @pytest.mark.parametrize("name, budget, recent", [("long-3b", 2.95, 128), ("long-3.5b", 3.45, 128),
-                                                  ("long-3b-sliding", 2.75, 32), ("long-3.5b-sliding", 3.2, 32)])
+                                                  ("long-2.5b", 2.45, 32), ("long-3b-sliding", 2.75, 32),
+                                                  ("long-3.5b-sliding", 3.2, 32)])
 def test_the_presets_compose_and_validate(name, budget, recent):
     from hydra import compose, initialize_config_dir
 
