@@ -82,7 +82,7 @@ REFUSALS = [
                       "embedded, hub, local"], True),
     (["quant=kvquant-4b+sink16+recent12"],
      ["unknown recipe quant=kvquant-4b+sink16+recent12 (no conf/quant/kvquant-4b+sink16+recent12.yaml); did you "
-      "mean kvquant-4b+sink16+recent128 or ", "(near but evaluation-only, for eval.recipes=[...]: kvquant-4b+rot",
+      "mean kvquant-4b+sink16+recent128 or ", "(near but evaluation-only, for eval.recipes=[...]: kvquant-2b+sink16+recent32+",
       "recipes a run exports: fp16, "], False),   # which recipes export: exporters.codec (torch)
     (["eval.recipes=[fp16,kvquant-4b-1pt]"], ["unknown recipe eval.recipes[1]=kvquant-4b-1pt (no "
                                               "conf/quant/kvquant-4b-1pt.yaml); did you mean kvquant-4b-1pct"], True),
