@@ -303,23 +303,28 @@ def _token_codes(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, levels: in
     return q.round().clamp(0, levels).to(torch.uint8), scale, mn
 
 
-def _clipped_token_codes(x: torch.Tensor, levels: int):
-    """clip "mse": per row, the ratio r of CLIP_RATIOS whose range [mid - r * half, mid + r * half] reconstructs
-    the row with the least squared error (a tie goes to the earlier, wider ratio) -> (codes, scale, zero)."""
-    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    mid, half = (mx + mn) / 2, (mx - mn) / 2
+def _least_error_per_row(x: torch.Tensor, tries):
+    """tries: (reconstruction [..., D], parts) per clip ratio, in CLIP_RATIOS order -> the parts of the least squared
+    error per row (a tie goes to the earlier, wider ratio); each part broadcasts against [..., 1]."""
     best = best_err = None
-    for r in CLIP_RATIOS:
-        codes, scale, zero = _token_codes(x, mid - r * half, mid + r * half, levels)
-        err = (codes.float() * scale + zero - x).square().sum(-1, keepdim=True)
+    for recon, parts in tries:
+        err = (recon - x).square().sum(-1, keepdim=True)
         if best is None:
-            best, best_err = (codes, scale, zero), err
+            best, best_err = parts, err
             continue
         better = err < best_err
-        best = (torch.where(better, codes, best[0]), torch.where(better, scale, best[1]),
-                torch.where(better, zero, best[2]))
+        best = tuple(torch.where(better, new, old) for new, old in zip(parts, best))
         best_err = torch.minimum(err, best_err)
     return best
+
+
+def _clipped_token_codes(x: torch.Tensor, levels: int):
+    """clip "mse": per row, the ratio r of CLIP_RATIOS whose range [mid - r * half, mid + r * half] reconstructs
+    the row with the least squared error -> (codes, scale, zero)."""
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    mid, half = (mx + mn) / 2, (mx - mn) / 2
+    coded = (_token_codes(x, mid - r * half, mid + r * half, levels) for r in CLIP_RATIOS)
+    return _least_error_per_row(x, ((c.float() * s + z, (c, s, z)) for c, s, z in coded))
 
 
 def _uniform(x: torch.Tensor, p: TensorPolicy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -438,18 +443,15 @@ def _clipped_nuq_codes(x: torch.Tensor, codebook: torch.Tensor):
     midpoint) whose codebook reconstruction has the least squared error -> (codes, zero, range)."""
     mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     zero = _fp16((mx + mn) / 2)
-    best = best_err = None
-    for r in CLIP_RATIOS:
-        rng = _fp16(r * (mx - mn) / 2)
-        codes = _nuq_codes(x, zero, rng, codebook)
-        err = (codebook[codes.long()] * rng + zero - x).square().sum(-1, keepdim=True)
-        if best is None:
-            best, best_err = (codes, rng), err
-            continue
-        better = err < best_err
-        best = (torch.where(better, codes, best[0]), torch.where(better, rng, best[1]))
-        best_err = torch.minimum(err, best_err)
-    return best[0], zero, best[1]
+
+    def tries():
+        for r in CLIP_RATIOS:
+            rng = _fp16(r * (mx - mn) / 2)
+            codes = _nuq_codes(x, zero, rng, codebook)
+            yield codebook[codes.long()] * rng + zero, (codes, rng)
+
+    codes, rng = _least_error_per_row(x, tries())
+    return codes, zero, rng
 
 
 def _encode_nuq(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
