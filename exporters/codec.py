@@ -8,9 +8,9 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
     axis="token":   per (token, head) over D channels;  axis="channel": per (head, channel) over groups of
     `group_size` tokens (KIVI keys).  scale = (max - min) / (L - 1), code = round((x - min) / scale),
     x^ = code * scale + min.  A constant group (max == min) has scale 0 and decodes exactly to min.
-    clip="mse" (axis token, evaluation-only; OSCAR-style clipping): the row's [min, max] is first shrunk about
-    its midpoint to [mid - r * half, mid + r * half], r the ratio of CLIP_RATIOS whose reconstruction has the
-    least squared error on that row; entries past it saturate at the end codes. The stored form is unchanged.
+    clip="mse" (axis token; OSCAR-style clipping): the row's [min, max] is first shrunk about its midpoint to
+    [mid - r * half, mid + r * half], r the ratio of CLIP_RATIOS whose reconstruction has the least squared error
+    on that row; entries past it saturate at the end codes. The stored form is unchanged.
     nuq per token takes the same clip: range = r * (max - min) / 2, r of least squared error over the codebook.
 - nuq (KVQuant, Hooper et al. 2024 sec. 3.3-3.4): a codebook of L sorted levels in [-1, 1].
     axis="channel" (keys): static zero / range per (head, channel) from calibration.
@@ -21,6 +21,11 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
 - sparse outliers (dense-and-sparse): entries outside [lower, upper] are stored exactly (fp16 value + index)
     and the dense part sees them as inliers clamped to the bound. Keys: static per-channel bounds from
     calibration. Values: per token over all KV heads, bounds at the f/2 and 1 - f/2 quantiles of that token.
+- rotation="hadamard" (uniform / nuq; QuaRot-style): each row is first rotated, y = H_b (s * x) / sqrt(b) per
+    block of b = D & -D channels (exporters/rotation.py rotate_orthonormal; s the policy's rotation_signs [b],
+    vLLM's seeded ones when None); outliers, clip, scales and codes are then those of y, and decode un-rotates,
+    x^ = s * (H_b y^) / sqrt(b). The artifact carries rotation and clip on uniform per-token values only
+    (export_refusal); elsewhere they are evaluation-only.
 - fp8 (e4m3 / e5m2): x^ = float8(x / s) * s with s per tensor (scalar) or per head ([H]), s = amax / fp8_max.
     axis="token" (vLLM fp8_per_token_head): s = max(amax / fp8_max, 1e-6) per (token, head), kept in fp32,
     x^ = float8(clamp(x * (1 / s), +-fp8_max)) * s.  axis="unscaled" (vLLM turboquant_k8v4 keys): x^ =
@@ -90,15 +95,32 @@ TURBO_NORM_EPS = 1e-8     # TurboQuant: x / (|x| + eps) before the rotation
 NC_EPS = 1e-16            # TurboQuant norm correction: v / sqrt(sum v^2 + eps)
 MAX_OUTLIER_FRACTION = 0.1
 # TensorPolicy's calibrated tensors (what calibration fills in and the artifact stores), in artifact order
-CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale")
-# rotation of each (token, head) row before quantizing (our formats only): evaluation-only, an experiment the
-# artifact does not carry yet (exporters/rotation.py rotate_orthonormal)
+CALIBRATED_FIELDS = ("codebook", "zero", "range", "lower", "upper", "fp8_scale", "rotation_signs")
+# rotation of each (token, head) row before quantizing (uniform / nuq; exporters/rotation.py rotate_orthonormal)
 ROTATIONS = ("none", "hadamard")
-# clipping of each (token, head) row's range before quantizing (uniform / nuq per token): evaluation-only. "mse":
-# each row's [min, max] shrunk about its midpoint by the ratio of CLIP_RATIOS whose reconstruction has the least
-# squared error on that row (entries past the shrunk range saturate at the end codes)
+# clipping of each (token, head) row's range before quantizing (uniform / nuq per token). "mse": each row's
+# [min, max] shrunk about its midpoint by the ratio of CLIP_RATIOS whose reconstruction has the least squared
+# error on that row (entries past the shrunk range saturate at the end codes)
 CLIPS = ("none", "mse")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+# Where the artifact, its kernels and the serving cache take a rotation or a clip (export_refusal); everywhere
+# else both are evaluation-only. Values only: the attention output is a weighted sum of values, so a kernel
+# un-rotates it once (exporters/rotation.py unrotation_matrix), while a key is scored, not summed (a pre-RoPE key
+# cannot be un-rotated after RoPE, which does not commute with the rotation; a post-RoPE one would need the query
+# rotated: no kernel does either). Uniform per token only: the nuq variants (+rotv, +clipv) stay experiments. A
+# rotation without sparse outliers only (the serving kernels are written for that case).
+SIDES = ("key", "value")
+TRANSFORM_SIDE, TRANSFORM_FORMAT, TRANSFORM_AXIS = "value", "uniform", "token"
+
+
+def exports_rotation(side: str | None, fmt: str, axis: str, outlier_fraction: float) -> bool:
+    """Does the artifact carry rotation "hadamard" on this side's policy (SIDES; None: a side not named)?"""
+    return exports_clip(side, fmt, axis) and outlier_fraction == 0
+
+
+def exports_clip(side: str | None, fmt: str, axis: str) -> bool:
+    """Does the artifact carry clip "mse" on this side's policy (SIDES; None: a side not named)?"""
+    return (side, fmt, axis) == (TRANSFORM_SIDE, TRANSFORM_FORMAT, TRANSFORM_AXIS)
 
 
 class CodecError(InputError):
@@ -116,14 +138,15 @@ class TensorPolicy:
     fp8_dtype: str = "e4m3"
     fp8_rounding: str = "nearest"           # fp8: "toward_zero" is vLLM-cpu's cast (evaluation only)
     norm_correction: bool = False           # turbo_mse: decode rescales the level vector to unit norm
-    rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (evaluation only)
-    clip: str = "none"                      # uniform / nuq per token: "mse" shrinks each row's range (eval only)
+    rotation: str = "none"                  # uniform / nuq: "hadamard" rotates each row first (export_refusal)
+    clip: str = "none"                      # uniform / nuq per token: "mse" shrinks each row's range
     codebook: torch.Tensor | None = None    # [L] sorted, in [-1, 1]               (nuq)
     zero: torch.Tensor | None = None        # [H, D]                               (nuq, axis=channel)
     range: torch.Tensor | None = None       # [H, D]                               (nuq, axis=channel)
     lower: torch.Tensor | None = None       # [H, D] static outlier bounds          (axis=channel, f > 0)
     upper: torch.Tensor | None = None       # [H, D]
     fp8_scale: torch.Tensor | None = None   # [] or [H]                            (fp8)
+    rotation_signs: torch.Tensor | None = None  # [b] +-1, b = D & -D   (rotation; None: rotation.rht_signs(b))
 
     def validate_config(self, where: str = "policy") -> None:
         """The configured fields alone (no calibrated tensors): what a recipe can be refused for before any stage."""
@@ -176,6 +199,23 @@ class TensorPolicy:
             raise CodecError(f"{where}: channel outliers need calibrated lower and upper bounds")
         if self.format == "fp8" and self.axis in ("tensor", "head") and self.fp8_scale is None:
             raise CodecError(f"{where}: fp8 needs a calibrated fp8_scale (axis {self.axis})")
+        if self.rotation_signs is not None:
+            self._validate_signs(where)
+
+    def _validate_signs(self, where: str) -> None:
+        s = self.rotation_signs
+        if self.rotation == "none":
+            raise CodecError(f"{where}.rotation_signs apply to rotation 'hadamard' only; allowed None with rotation "
+                             f"'none', got a tensor of shape {tuple(s.shape)}")
+        n = s.numel()
+        if s.dim() != 1 or n < 1 or n & (n - 1):
+            raise CodecError(f"{where}.rotation_signs must be a 1-D tensor of a power-of-two length (b, the largest "
+                             f"power of two dividing head_dim), got shape {tuple(s.shape)}")
+        bad = (s != 1) & (s != -1)   # NaN too
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise CodecError(f"{where}.rotation_signs entries must be exactly +1 or -1, got {int(bad.sum())} of {n} "
+                             f"other, first at [{i}]: {float(s[i])!r}")
 
     def calibrated(self) -> dict[str, torch.Tensor]:
         """The calibrated tensors this policy holds, by field name, in CALIBRATED_FIELDS order."""
@@ -195,33 +235,49 @@ class TensorPolicy:
         """Scales per group of group_size tokens (uniform per channel, KIVI keys)."""
         return self.format in FORMATS and self.axis in FORMATS[self.format].group_axes
 
-    @property
-    def is_exportable(self) -> bool:
-        return (self.axis in _export_axes(self.format) and self.rotation == "none" and self.clip == "none"
-                and self.fp8_rounding == "nearest")
-
 
 def _export_axes(name: str) -> tuple[str, ...]:
     return FORMATS[name].export_axes if name in FORMATS else ()
 
 
-def check_exportable(p: TensorPolicy, where: str) -> None:
-    """Refuse an evaluation-only format (or rotation) where a policy is to be exported or served."""
+def _placement(p: TensorPolicy, side: str | None) -> str:
+    given = f"of format {p.format} with axis {p.axis} and outlier_fraction {p.outlier_fraction}"
+    given = f"on {side}s {given}" if side in SIDES else f"on a policy {given} whose side (key or value) is not named"
+    return (f"{given} (the artifact carries it on {TRANSFORM_SIDE}s of format {TRANSFORM_FORMAT} with axis "
+            f"{TRANSFORM_AXIS}")
+
+
+def export_refusal(p: TensorPolicy, side: str | None, where: str = "policy") -> str | None:
+    """Why p cannot be exported or served as a layer's `side` policy (SIDES: "key" or "value"; None: a caller
+    that does not say, which refuses rotation and clip), the message naming the field, what is allowed and what
+    was given; None: it can. The one export rule: a format with export axes on one of them, round-to-nearest
+    fp8, rotation and clip only where exports_rotation / exports_clip allow them."""
+    if side is not None and side not in SIDES:
+        raise ValueError(f"side must be one of {SIDES} or None, got {side!r}")
     allowed = "; ".join(f"{f.name} (axis {'|'.join(f.export_axes)})" for f in FORMATS.values() if f.exports)
     if p.axis not in _export_axes(p.format):
-        raise CodecError(f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own "
-                         f"format): the artifact, its Triton kernel and the serving cache take {allowed}; got "
-                         f"format={p.format!r}, axis={p.axis!r}")
+        return (f"{where}: format {p.format} with axis {p.axis} is evaluation-only (a serving engine's own format): "
+                f"the artifact, its Triton kernel and the serving cache take {allowed}; got format={p.format!r}, "
+                f"axis={p.axis!r}")
     if p.fp8_rounding != "nearest":
-        raise CodecError(f"{where}.fp8_rounding: rounding {p.fp8_rounding} is evaluation-only (it models an engine's "
-                         f"own fp8 cast, docs/vllm.md); the artifact stores round-to-nearest fp8: allowed 'nearest', "
-                         f"got {p.fp8_rounding!r}")
-    if p.rotation != "none":
-        raise CodecError(f"{where}.rotation: rotation {p.rotation} is evaluation-only (an experiment the artifact, its "
-                         f"Triton kernel and the serving cache do not carry); allowed 'none', got {p.rotation!r}")
-    if p.clip != "none":
-        raise CodecError(f"{where}.clip: clip {p.clip} is evaluation-only (the serving cache's encoder of new rows "
-                         f"does not search a range); allowed 'none', got {p.clip!r}")
+        return (f"{where}.fp8_rounding: rounding {p.fp8_rounding} is evaluation-only (it models an engine's own fp8 "
+                f"cast, docs/vllm.md); the artifact stores round-to-nearest fp8: allowed 'nearest', got "
+                f"{p.fp8_rounding!r}")
+    if p.rotation != "none" and not exports_rotation(side, p.format, p.axis, p.outlier_fraction):
+        return (f"{where}.rotation: rotation {p.rotation} is evaluation-only {_placement(p, side)} and no sparse "
+                f"outliers); allowed 'none', got {p.rotation!r}")
+    if p.clip != "none" and not exports_clip(side, p.format, p.axis):
+        return (f"{where}.clip: clip {p.clip} is evaluation-only {_placement(p, side)}); allowed 'none', got "
+                f"{p.clip!r}")
+    return None
+
+
+def check_exportable(p: TensorPolicy, where: str, side: str | None = None) -> None:
+    """Refuse (CodecError, export_refusal's message) a policy the artifact, its kernels and the serving cache do
+    not take, where it is to be exported or served as `side`'s policy."""
+    refusal = export_refusal(p, side, where)
+    if refusal is not None:
+        raise CodecError(refusal)
 
 
 @dataclass
@@ -397,7 +453,7 @@ def _split_outliers(x: torch.Tensor, p: TensorPolicy):
     """uniform / nuq: the row rotation, then the sparse outliers split off ->
     (inliers clamped to the bounds [B, H, T, D], outlier index [n, 4] | None, outlier value [n] fp16 | None)."""
     if p.rotation == "hadamard":  # everything below (outliers, scales, codes) lives in the rotated space
-        x = rotation.rotate_orthonormal(x)
+        x = rotation.rotate_orthonormal(x, _signs_for(p, x.shape[-1]))
     if p.outlier_fraction <= 0:
         return x, None, None
     if p.axis == "channel":
@@ -414,8 +470,17 @@ def _restore_outliers(x: torch.Tensor, e: Encoded, p: TensorPolicy) -> torch.Ten
         b, h, tt, d = e.outlier_index.unbind(1)
         x = x.index_put((b, h, tt, d), e.outlier_value.float())
     if p.rotation == "hadamard":
-        x = rotation.unrotate_orthonormal(x)
+        x = rotation.unrotate_orthonormal(x, _signs_for(p, x.shape[-1]))
     return x
+
+
+def _signs_for(p: TensorPolicy, d: int) -> torch.Tensor | None:
+    """The policy's rotation signs for rows of d channels (None: the seeded ones), refused unless they hold b."""
+    s, b = p.rotation_signs, rotation.largest_power_of_two_divisor(d)
+    if s is not None and s.numel() != b:
+        raise CodecError(f"policy.rotation_signs must hold b = {b} entries for rows of {d} channels (b, the largest "
+                         f"power of two dividing head_dim), got {s.numel()}")
+    return s
 
 
 def _encode_uniform(x: torch.Tensor, p: TensorPolicy, where: str) -> Encoded:
@@ -850,8 +915,8 @@ class Format:
     export_axes: tuple[str, ...] = ()     # the axes the artifact, its Triton kernel and the serving cache take;
                                           # () = evaluation-only (a serving engine's own format)
     outliers: bool = False                # sparse outliers (outlier_fraction > 0) allowed
-    rotation: bool = False                # a row rotation (rotation="hadamard", evaluation-only) allowed
-    clip_axes: tuple[str, ...] = ()       # axes a range clip (clip="mse", evaluation-only) applies on
+    rotation: bool = False                # a row rotation (rotation="hadamard"; exported: export_refusal) allowed
+    clip_axes: tuple[str, ...] = ()       # axes a range clip (clip="mse"; exported: export_refusal) applies on
     group_axes: tuple[str, ...] = ()      # axes with scales per group of group_size tokens
     zero_point: str = "none"              # how the codes are offset (the manifest's zero_point)
     settings: tuple[str, ...] = ()        # TensorPolicy fields only this format reads

@@ -38,9 +38,10 @@ def check_row_entries(n_kv_heads: int, head_dim: int, where: str) -> None:
 def calibrated_shape(p: TensorPolicy, name: str, n_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     """The shape of a policy's calibrated tensor `name` (exporters.codec.CALIBRATED_FIELDS) for a model of n_kv_heads
     heads of head_dim channels, as a runtime reads it: codebook [2^bits], fp8_scale [] (axis tensor) or [H_kv]
-    (axis head), zero / range / lower / upper [H_kv, D]."""
-    return {"codebook": (2 ** p.bits,), "fp8_scale": () if p.axis == "tensor" else (n_kv_heads,)}.get(
-        name, (n_kv_heads, head_dim))
+    (axis head), rotation_signs [b] (b = head_dim & -head_dim, the rotation's block), zero / range / lower /
+    upper [H_kv, D]."""
+    return {"codebook": (2 ** p.bits,), "fp8_scale": () if p.axis == "tensor" else (n_kv_heads,),
+            "rotation_signs": (head_dim & -head_dim,)}.get(name, (n_kv_heads, head_dim))
 
 
 @dataclass

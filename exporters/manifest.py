@@ -1,5 +1,10 @@
-"""The artifact contract: manifest format v1 (JSON + one safetensors file), strict validation, and the
+"""The artifact contract: manifest format v2 (JSON + one safetensors file), strict validation, and the
 round trip CachePolicy <-> (manifest, tensors).
+
+A layer's value policy may carry `rotation: "hadamard"` and `clip: "mse"` (uniform per token, no outliers for the
+rotation: exporters.codec.export_refusal) with its sign vector `layers.<i>.value.rotation_signs` [b]; both members
+were added within v2 and are written only when set, so their absence means "none" and an artifact without them is
+byte for byte what it was (an older loader refuses them as unknown fields instead of mis-decoding).
 
 A loader refuses what it does not fully understand: every cause has its own ManifestError subclass, and
 nothing is returned unless every check passed. docs/manifest.md specifies the format for other languages:
@@ -8,6 +13,7 @@ the manifest digest, the checksums, the binding of the decoding fields to the te
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import functools
 import hashlib
@@ -17,10 +23,12 @@ from typing import Any
 
 import torch
 
-from exporters.codec import FORMATS, FP8, CachePolicy, CodecError, TensorPolicy, formats_where
+from exporters.codec import (FORMATS, FP8, TRANSFORM_AXIS, TRANSFORM_FORMAT, TRANSFORM_SIDE, CachePolicy, CodecError,
+                             TensorPolicy, export_refusal, exports_clip, exports_rotation, formats_where)
 from exporters.checksums import sha256_bytes
 from exporters.errors import InputError
 from exporters.layout import MAX_ROW_ENTRIES
+from exporters.rotation import rht_signs
 
 FORMAT_NAME = "kvcalib.kv-cache"
 FORMAT_VERSION = 2  # 2: manifest digest, raw-byte tensor checksums, bound decoding fields (1 is refused)
@@ -85,6 +93,11 @@ class ZeroPointError(ConsistencyError):
 
 class Fp8DtypeError(ConsistencyError):
     """fp8_dtype is absent for fp8, or present for another format."""
+
+
+class RotationError(ConsistencyError):
+    """rotation or clip where the artifact does not carry them (exporters.codec.export_refusal: uniform values per
+    token only; a rotation without sparse outliers)."""
 
 
 class TensorRefError(ConsistencyError):
@@ -245,10 +258,23 @@ def needed_tensors(p: dict) -> tuple[str, ...]:
     names = ("codebook",) if fmt == "nuq" else ()
     names += ("zero", "range") if fmt == "nuq" and channel else ()
     names += ("lower", "upper") if channel and outlier_rule(fmt, p["axis"], p["outliers"]["fraction"]) != "none" else ()
-    return names + (("fp8_scale",) if fmt == "fp8" else ())
+    names += ("fp8_scale",) if fmt == "fp8" else ()
+    return names + (("rotation_signs",) if p.get("rotation") == "hadamard" else ())
 
 
-def _check_policy_fields(p: dict, where: str) -> None:
+def _check_placement(p: dict, where: str, kind: str) -> None:
+    """rotation / clip only where the codec's export rule puts them (exports_rotation, exports_clip)."""
+    fmt, axis, fraction = p["format"], p["axis"], p["outliers"]["fraction"]
+    given = f"on a {kind} of format {fmt} with axis {axis} and outliers/fraction {fraction!r}"
+    rule = f"allowed only on {TRANSFORM_SIDE}s of format {TRANSFORM_FORMAT} with axis {TRANSFORM_AXIS}"
+    if "rotation" in p and not exports_rotation(kind, fmt, axis, fraction):
+        raise RotationError(f"{where}/rotation: {rule} and no sparse outliers (outliers/fraction 0); got "
+                            f"{p['rotation']!r} {given}")
+    if "clip" in p and not exports_clip(kind, fmt, axis):
+        raise RotationError(f"{where}/clip: {rule}; got {p['clip']!r} {given}")
+
+
+def _check_policy_fields(p: dict, where: str, kind: str) -> None:
     fmt, axis, bits, group = p["format"], p["axis"], p["bits"], p["group_size"]
     f = EXPORTED[fmt]
     if bits not in f.bits:
@@ -277,6 +303,7 @@ def _check_policy_fields(p: dict, where: str) -> None:
     if "expected_fraction" in out and rule == "none":
         raise OutlierRuleError(f"{where}/outliers/expected_fraction: allowed only when outliers are stored "
                                f"(fraction > 0), got {out['expected_fraction']!r} with fraction {out['fraction']!r}")
+    _check_placement(p, where, kind)
 
 
 def _check_refs(manifest: dict) -> None:
@@ -286,8 +313,9 @@ def _check_refs(manifest: dict) -> None:
             want = {name: f"layers.{i}.{kind}.{name}" for name in needed_tensors(layer[kind])}
             if layer[kind]["tensors"] != want:
                 raise TensorRefError(f"layers/{i}/{kind}/tensors: format {layer[kind]['format']}, axis "
-                                     f"{layer[kind]['axis']}, outlier fraction {layer[kind]['outliers']['fraction']} "
-                                     f"allow exactly {want}, got {layer[kind]['tensors']}")
+                                     f"{layer[kind]['axis']}, outlier fraction {layer[kind]['outliers']['fraction']}, "
+                                     f"rotation {layer[kind].get('rotation', 'none')} allow exactly {want}, got "
+                                     f"{layer[kind]['tensors']}")
     cache = manifest["cache"]
     for field, got, want in (("smoothing", cache["smoothing"], {"tensor": "smooth"}),
                              ("prefix/tensors", (cache["prefix"] or {}).get("tensors"),
@@ -368,7 +396,7 @@ def check_fields(manifest: dict) -> None:
     _check_row_entries(manifest)
     for i, layer in enumerate(manifest["layers"]):
         for kind in ("key", "value"):
-            _check_policy_fields(layer[kind], f"layers/{i}/{kind}")
+            _check_policy_fields(layer[kind], f"layers/{i}/{kind}", kind)
     _check_refs(manifest)
     _check_records(manifest)
 
@@ -421,7 +449,8 @@ def implied_tensors(manifest: dict) -> dict[str, tuple[tuple[int, ...], str]]:
         for kind in ("key", "value"):
             p = layer[kind]
             for name in needed_tensors(p):
-                shape = {"codebook": (2 ** p["bits"],), "fp8_scale": () if p["axis"] == "tensor" else (h,)}
+                shape = {"codebook": (2 ** p["bits"],), "fp8_scale": () if p["axis"] == "tensor" else (h,),
+                         "rotation_signs": (d & -d,)}
                 out[f"layers.{i}.{kind}.{name}"] = (shape.get(name, (h, d)), "float32")
     cache = manifest["cache"]
     if cache["smoothing"]:
@@ -483,7 +512,8 @@ def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Every calibrated tensor holds values a decoder can use (checksums do not say that: anyone can recompute
     them): finite everywhere; range >= 0 (0 only for a constant channel: it decodes to zero); lower <= upper;
     an fp8 scale s in (0, FP16_MAX / fp8_max], so that a decoded value fits float16 as the K/V it came from did;
-    smoothing factors > 0; prefix K/V within float16 (the cache holds them in fp16)."""
+    rotation signs exactly +1 or -1 (anything else is no rotation: the decode would scale the row); smoothing
+    factors > 0; prefix K/V within float16 (the cache holds them in fp16)."""
     def refuse(name: str, rule: str, t: torch.Tensor, ok: torch.Tensor) -> None:
         if not bool(ok.all()):
             raise TensorValueError(f"tensor {name!r}: {rule}; {_bad(t, ok)}")
@@ -504,6 +534,10 @@ def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
                 t, top = tensors[refs["fp8_scale"]], FP16_MAX / FP8[p["fp8_dtype"]][1]
                 refuse(refs["fp8_scale"], f"an fp8 scale must be in (0, {top:g}] (fp16 max / {p['fp8_dtype']} max)",
                        t, (t > 0) & (t <= top))
+            if "rotation_signs" in refs:
+                t = tensors[refs["rotation_signs"]]
+                refuse(refs["rotation_signs"], "rotation_signs entries must be exactly +1 or -1", t,
+                       (t == 1) | (t == -1))
     cache = manifest["cache"]
     if cache["smoothing"]:
         t = tensors[cache["smoothing"]["tensor"]]
@@ -555,11 +589,26 @@ def check_model(manifest: dict, spec) -> None:
 
 # ---- CachePolicy <-> manifest ------------------------------------------------------------------------------
 
-def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None) -> dict:
-    if not p.is_exportable:  # an evaluation-only format (no Format.export_axes): no consumer decodes it
+def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.Tensor], expected: float | None,
+                        kind: str, head_dim: int | None) -> dict:
+    """One layer's key or value policy (kind) as the manifest writes it, its calibrated tensors added to `tensors`
+    under their canonical names. A rotated policy without signs stores the seeded ones the codec used (head_dim
+    sizes them)."""
+    where = prefix.replace(".", "/")
+    if p.format not in EXPORTED or p.axis not in EXPORTED[p.format].export_axes:  # an evaluation-only format
         allowed = {name: list(f.export_axes) for name, f in EXPORTED.items()}
-        raise QuantFieldError(f"{prefix.replace('.', '/')}/format: the artifact allows format/axis {allowed}, got "
-                              f"format {p.format!r} with axis {p.axis!r} (evaluation-only)")
+        raise QuantFieldError(f"{where}/format: the artifact allows format/axis {allowed}, got format {p.format!r} "
+                              f"with axis {p.axis!r} (evaluation-only)")
+    refusal = export_refusal(p, kind, prefix)
+    if refusal is not None:  # fp8 rounding, or a rotation / clip where the artifact does not carry them
+        raise (QuantFieldError if p.fp8_rounding != "nearest" else RotationError)(refusal)
+    if p.rotation == "hadamard":
+        b = head_dim & -head_dim
+        if p.rotation_signs is None:
+            p = dataclasses.replace(p, rotation_signs=rht_signs(b))
+        if tuple(p.rotation_signs.shape) != (b,):
+            raise TensorShapeError(f"{where}/tensors/rotation_signs: model/head_dim {head_dim} implies [{b}], got "
+                                   f"shape {list(p.rotation_signs.shape)}")
     names = {}
     for name, t in p.calibrated().items():
         key = f"{prefix}.{name}"
@@ -573,20 +622,28 @@ def _tensor_policy_json(p: TensorPolicy, prefix: str, tensors: dict[str, torch.T
         out["outliers"]["expected_fraction"] = expected
     if "fp8_dtype" in FORMATS[p.format].settings:
         out["fp8_dtype"] = p.fp8_dtype
+    if p.rotation != "none":  # members added within v2: written only when set (absent = "none")
+        out["rotation"] = p.rotation
+    if p.clip != "none":
+        out["clip"] = p.clip
     return out
 
 
 def build_manifest(policy: CachePolicy, spec, provenance: dict, evaluation: dict | None = None,
                    prefix: dict | None = None, creator: dict | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """-> (manifest, tensors by name); native.write_artifact fills tensor_file and the digest.
-    prefix: {"token_ids": [...], "k": [L, H, P, D] post-RoPE keys, "v": [L, H, P, D]} or None."""
+    prefix: {"token_ids": [...], "k": [L, H, P, D] post-RoPE keys, "v": [L, H, P, D]} or None. spec: the model's
+    ModelSpec (its head_dim sizes a rotation's signs)."""
     tensors: dict[str, torch.Tensor] = {}
     measured = (evaluation or {}).get(policy.name, {})
+    head_dim = None if spec is None else spec.head_dim   # None: a policy refused before the model is read
     layers = []
     for i, (pk, pv) in enumerate(policy.layers):
         layers.append({"index": i,
-                       "key": _tensor_policy_json(pk, f"layers.{i}.key", tensors, measured.get("outlier_fraction_k")),
-                       "value": _tensor_policy_json(pv, f"layers.{i}.value", tensors, measured.get("outlier_fraction_v"))})
+                       "key": _tensor_policy_json(pk, f"layers.{i}.key", tensors, measured.get("outlier_fraction_k"),
+                                                  "key", head_dim),
+                       "value": _tensor_policy_json(pv, f"layers.{i}.value", tensors,
+                                                    measured.get("outlier_fraction_v"), "value", head_dim)})
     smoothing = None
     if policy.smooth is not None:
         tensors["smooth"] = policy.smooth.detach().float().contiguous().cpu()
@@ -623,7 +680,7 @@ def _policy_from_json(p: dict, tensors: dict[str, torch.Tensor], where: str) -> 
     kw = {name: tensors[ref] for name, ref in p["tensors"].items()}
     tp = TensorPolicy(format=p["format"], bits=p["bits"], axis=p["axis"], group_size=p["group_size"],
                       outlier_fraction=p["outliers"]["fraction"], fp8_dtype=p.get("fp8_dtype", TensorPolicy.fp8_dtype),
-                      **kw)
+                      rotation=p.get("rotation", "none"), clip=p.get("clip", "none"), **kw)
     try:
         tp.validate(where)
     except CodecError as exc:

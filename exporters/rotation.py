@@ -8,6 +8,9 @@
   symmetric and its own inverse, no signs; d must be a power of two.
 - `fwht_orthonormal` (UltraQuant keys, vllm/v1/attention/ops/ultraquant/triton_store.py:166-177): H_d x / sqrt(d)
   as the store kernel computes it, a butterfly that multiplies by fp32(1/sqrt(2)) after every stage.
+- `rotate_orthonormal` / `unrotate_orthonormal` (kvcalib's own `rotation: hadamard`): y = H_b (d * x) / sqrt(b)
+  per block, with the policy's signs (an artifact stores them) or, without, vLLM's seeded ones;
+  `unrotation_matrix` is its inverse as one [D, D] matrix, for kernels that un-rotate a sum of rows once.
 
 Natural (Sylvester) ordering everywhere: H_1 = [1], H_2n = [[H_n, H_n], [H_n, -H_n]]. H_b x is computed by the fast
 Walsh-Hadamard butterfly in float32, stage widths 1, 2, 4, ... (pair (a, b) -> (a + b, a - b)): that is the order
@@ -94,36 +97,66 @@ def fwht_orthonormal(x: torch.Tensor) -> torch.Tensor:
     return fwht(x.float(), INV_SQRT2)
 
 
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _block_signs(signs: torch.Tensor | None, b: int, device: torch.device) -> torch.Tensor:
+    """The [b] float32 signs on `device`: vLLM's seeded ones (rht_signs) when None, else the given ones, which must
+    be a 1-D tensor of b entries (b = the largest power of two dividing D)."""
+    if signs is None:
+        return _signs(b).to(device)
+    if signs.dim() != 1 or signs.numel() != b:
+        raise ValueError(f"signs must be a 1-D tensor of b = {b} entries (the largest power of two dividing the "
+                         f"row's length), got shape {tuple(signs.shape)}")
+    return signs.to(device=device, dtype=torch.float32)
+
+
+def _blocks(x: torch.Tensor, signs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """x [..., D] -> (x viewed [..., D / b, b] float32, signs [b] on x's device, b)."""
     d = x.shape[-1]
     b = largest_power_of_two_divisor(d)
     xb = x.float().reshape(*x.shape[:-1], d // b, b)
-    return xb, _signs(b).to(x.device), b
+    return xb, _block_signs(signs, b, x.device), b
 
 
 def rht(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> y = H_b (d * x) per block of b, float32 (norm sqrt(b) |x| per block)."""
-    xb, s, _ = _blocks(x)
-    return fwht(xb * s).reshape(x.shape)
+    return _rht(x, None)
 
 
 def rht_inverse(y: torch.Tensor) -> torch.Tensor:
     """y [..., D] -> x = d * (H_b y) / b per block, float32: rht_inverse(rht(x)) == x up to float32 rounding."""
-    yb, s, b = _blocks(y)
+    return _rht_inverse(y, None)
+
+
+def _rht(x: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    xb, s, _ = _blocks(x, signs)
+    return fwht(xb * s).reshape(x.shape)
+
+
+def _rht_inverse(y: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+    yb, s, b = _blocks(y, signs)
     return (fwht(yb) * s / b).reshape(y.shape)
 
 
-def rotate_orthonormal(x: torch.Tensor) -> torch.Tensor:
+def rotate_orthonormal(x: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] -> y = H_b (d * x) / sqrt(b) per block of b: the randomized Hadamard transform made orthonormal
-    (|y| = |x|), the rotation kvcalib's evaluation-only `rotation: hadamard` applies before quantizing (QuaRot-style:
-    outlier channels spread over the block). Random signs make an isotropic per-element weight exact in
-    expectation: E[(R g)_c^2] = |g_block|^2 / b for any g."""
+    (|y| = |x|), the rotation kvcalib's `rotation: hadamard` applies before quantizing (QuaRot-style: outlier
+    channels spread over the block). Random signs make an isotropic per-element weight exact in expectation:
+    E[(R g)_c^2] = |g_block|^2 / b for any g. signs [b] (+-1, the same in every block): the policy's own
+    (TensorPolicy.rotation_signs, stored in the artifact); None: vLLM's seeded rht_signs(b)."""
     b = largest_power_of_two_divisor(x.shape[-1])
-    return rht(x) / math.sqrt(b)
+    return _rht(x, signs) / math.sqrt(b)
 
 
-def unrotate_orthonormal(y: torch.Tensor) -> torch.Tensor:
-    """The inverse of rotate_orthonormal: x = d * (H_b y) / sqrt(b) per block, float32."""
+def unrotate_orthonormal(y: torch.Tensor, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of rotate_orthonormal with the same signs: x = d * (H_b y) / sqrt(b) per block, float32."""
     b = largest_power_of_two_divisor(y.shape[-1])
-    return rht_inverse(y) * math.sqrt(b)
+    return _rht_inverse(y, signs) * math.sqrt(b)
+
+
+def unrotation_matrix(d: int, signs: torch.Tensor | None = None) -> torch.Tensor:
+    """[d, d] float32 M with y @ M == unrotate_orthonormal(y, signs) for rows y [..., d], up to float32 rounding
+    (a matrix product adds in another order than the butterfly): block-diagonal over the d / b blocks, each
+    H_b * signs[None, :] / sqrt(b) (H_b symmetric). A kernel that sums rotated rows weighted by attention
+    un-rotates the sum once with it: the un-rotation is linear."""
+    b = largest_power_of_two_divisor(d)
+    block = hadamard(b) * _block_signs(signs, b, torch.device("cpu"))[None, :] / math.sqrt(b)
+    return torch.block_diag(*[block] * (d // b))

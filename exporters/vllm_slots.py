@@ -142,6 +142,8 @@ def refusals(policy) -> list[str]:
                 continue
             if p.rotation != "none":
                 out.append(f"{where}/rotation: allowed 'none', got {p.rotation!r}")
+            if p.clip != "none":  # the plugin encodes new rows without the range search
+                out.append(f"{where}/clip: allowed 'none', got {p.clip!r}")
             if p.axis not in ("token", "channel") or (p.axis == "channel" and p.format != "nuq"):
                 out.append(f"{where}/axis: allowed 'token' (nuq, uniform) or 'channel' (nuq: static scales), got "
                            f"{p.axis!r} with format {p.format!r} (per-channel groups span tokens: no slot holds them)")

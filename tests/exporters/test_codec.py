@@ -7,8 +7,8 @@ import dataclasses
 
 from exporters import codec
 from exporters.codec import (CALIBRATED_FIELDS, FORMATS, CodecError, Encoded, Format, TensorPolicy, check_exportable, decode,
-                             encode, encoded_bits, fake_quant, fp8_scale_from_amax, pack_codes, static_bits, stored_bits,
-                             token_outlier_bounds, unpack_codes)
+                             encode, encoded_bits, export_refusal, fake_quant, fp8_scale_from_amax, pack_codes,
+                             static_bits, stored_bits, token_outlier_bounds, unpack_codes)
 
 
 def t4(rows):  # [T, D] -> [1, 1, T, D]
@@ -131,9 +131,9 @@ def test_fp8_toward_zero_is_vllm_cpus_cast_by_hand():
 
 def test_fp8_toward_zero_is_evaluation_only():
     p = TensorPolicy(format="fp8", bits=8, axis="tensor", fp8_rounding="toward_zero", fp8_scale=torch.tensor(1.0))
-    assert not p.is_exportable
+    assert export_refusal(p, "key") is not None and export_refusal(p, "value") is not None
     with pytest.raises(CodecError, match="fp8_rounding: rounding toward_zero is evaluation-only"):
-        check_exportable(p, "layers[0].key")
+        check_exportable(p, "layers[0].key", "key")
     with pytest.raises(CodecError, match=r"fp8_rounding must be one of \('nearest', 'toward_zero'\), got 'up'"):
         TensorPolicy(format="fp8", bits=8, fp8_rounding="up").validate_config()
     with pytest.raises(CodecError, match="fp8_rounding applies to format fp8 only"):
@@ -256,9 +256,15 @@ def test_rotation_is_refused_where_it_does_not_apply_and_where_a_policy_is_expor
     with pytest.raises(CodecError, match=r"k\.rotation applies to formats \('uniform', 'nuq'\) only, got format fp8"):
         TensorPolicy(format="fp8", bits=8, axis="tensor", rotation="hadamard").validate_config("k")
     p = TensorPolicy(format="uniform", bits=4, axis="token", rotation="hadamard")
-    assert not p.is_exportable
-    with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only.*got 'hadamard'"):
-        check_exportable(p, "quant.key")
+    assert export_refusal(p, "key") is not None and export_refusal(p, "value") is None
+    with pytest.raises(CodecError, match=r"quant\.key\.rotation: rotation hadamard is evaluation-only on keys of "
+                                         r"format uniform .*allowed 'none', got 'hadamard'"):
+        check_exportable(p, "quant.key", "key")
+    with pytest.raises(CodecError, match=r"rotation hadamard is evaluation-only on a policy of format uniform .* "
+                                         r"whose side \(key or value\) is not named"):
+        check_exportable(p, "ArtifactCache: layer 0 values")   # a caller that does not name the side: refused
+    with pytest.raises(ValueError, match=r"side must be one of \('key', 'value'\) or None, got 'v'"):
+        export_refusal(p, "v")
 
 
 def _clip_by_hand(row: list[float], bits: int) -> list[float]:
@@ -334,10 +340,95 @@ def test_clip_is_refused_where_it_does_not_apply_and_where_a_policy_is_exported(
         TensorPolicy(format="nuq", bits=2, axis="channel", clip="mse").validate_config("k")
     with pytest.raises(CodecError, match=r"got format uniform with axis channel"):
         TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4, clip="mse").validate_config("k")
-    p = TensorPolicy(format="uniform", bits=2, axis="token", clip="mse")
-    assert not p.is_exportable
-    with pytest.raises(CodecError, match=r"quant\.value\.clip: clip mse is evaluation-only.*got 'mse'"):
-        check_exportable(p, "quant.value")
+    p = TensorPolicy(format="nuq", bits=2, axis="token", clip="mse", codebook=torch.linspace(-1, 1, 4))
+    assert export_refusal(p, "value") is not None
+    with pytest.raises(CodecError, match=r"quant\.value\.clip: clip mse is evaluation-only on values of format nuq "
+                                         r"with axis token .*allowed 'none', got 'mse'"):
+        check_exportable(p, "quant.value", "value")
+
+
+UNI_V = dict(format="uniform", bits=2, axis="token")
+
+
+@pytest.mark.parametrize("side,policy,refused", [
+    ("value", TensorPolicy(**UNI_V, rotation="hadamard", clip="mse"), None),
+    ("value", TensorPolicy(**UNI_V, rotation="hadamard"), None),
+    ("value", TensorPolicy(**UNI_V, clip="mse"), None),
+    ("value", TensorPolicy(**UNI_V, clip="mse", outlier_fraction=0.01), None),   # the clip takes outliers
+    ("key", TensorPolicy(**UNI_V, rotation="hadamard", clip="mse"), r"\.rotation: .* on keys of format uniform"),
+    ("key", TensorPolicy(**UNI_V, clip="mse"), r"\.clip: clip mse is evaluation-only on keys of format uniform"),
+    ("value", TensorPolicy(**UNI_V, rotation="hadamard", outlier_fraction=0.01),
+     r"\.rotation: .* on values of format uniform with axis token and outlier_fraction 0\.01 .*no sparse outliers"),
+    ("value", TensorPolicy(format="nuq", bits=3, axis="token", rotation="hadamard"),
+     r"\.rotation: .* on values of format nuq with axis token"),
+    ("value", TensorPolicy(format="nuq", bits=2, axis="token", clip="mse"), r"\.clip: .* on values of format nuq"),
+    ("key", TensorPolicy(format="nuq", bits=3, axis="channel", rotation="hadamard"),
+     r"\.rotation: .* on keys of format nuq with axis channel"),
+    ("value", TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4, rotation="hadamard"),
+     r"\.rotation: .* on values of format uniform with axis channel"),
+    (None, TensorPolicy(**UNI_V, rotation="hadamard", clip="mse"),
+     r"\.rotation: .* side \(key or value\) is not named"),
+    (None, TensorPolicy(**UNI_V, clip="mse"), r"\.clip: .* side \(key or value\) is not named"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_rotation_and_clip_export_on_uniform_values_per_token_only(side, policy, refused):
+    """The one export rule: rotation "hadamard" and clip "mse" on the value side, format uniform, axis token, and
+    for the rotation no sparse outliers; anything else refused naming the field, the side, format and axis."""
+    got = export_refusal(policy, side, "layers/1/v")
+    if refused is None:
+        assert got is None
+        check_exportable(policy, "layers/1/v", side)
+    else:
+        assert got is not None and got.startswith("layers/1/v.") and got.endswith("got " + repr(
+            policy.rotation if ".rotation" in refused else policy.clip))
+        with pytest.raises(CodecError, match=refused):
+            check_exportable(policy, "layers/1/v", side)
+
+
+def test_the_policys_rotation_signs_are_the_ones_used():
+    """rotation_signs None are vLLM's seeded signs (bit for bit the same codes and values); other signs (all +1) give
+    other codes, and decode un-rotates with the policy's own signs: the codes of one read back with the other's
+    signs are wrong."""
+    from exporters import rotation
+    x = torch.randn(1, 2, 6, 16, generator=torch.Generator().manual_seed(5))
+    seeded = TensorPolicy(**UNI_V, rotation="hadamard", clip="mse")
+    same = dataclasses.replace(seeded, rotation_signs=rotation.rht_signs(16))
+    ones = dataclasses.replace(seeded, rotation_signs=torch.ones(16))
+    e, e_same, e_ones = encode(x, seeded), encode(x, same), encode(x, ones)
+    assert torch.equal(e.codes, e_same.codes) and torch.equal(e.scale, e_same.scale)
+    assert torch.equal(decode(e, seeded), decode(e_same, same))
+    assert not torch.equal(e.codes, e_ones.codes)
+    plain = TensorPolicy(**UNI_V, clip="mse")   # all-+1 signs: the plain orthonormal Hadamard H x / 4
+    h = rotation.hadamard_orthonormal(16)
+    assert torch.equal(e_ones.codes, encode(x @ h, plain).codes)
+    y = decode(e_ones, ones)
+    assert torch.allclose(y, decode(encode(x @ h, plain), plain) @ h, atol=1e-6)
+    assert not torch.allclose(decode(e_ones, seeded), y, atol=1e-3)
+    # the signs are a calibrated tensor: counted once per layer, 32 bits each; rotation costs no bits per row
+    assert static_bits(ones) == 16 * 32 and static_bits(seeded) == 0
+    assert encoded_bits(e_ones, ones) == encoded_bits(e, seeded)
+
+
+@pytest.mark.parametrize("signs,message", [
+    (torch.ones(2, 4), r"must be a 1-D tensor of a power-of-two length .* got shape \(2, 4\)"),
+    (torch.ones(12), r"must be a 1-D tensor of a power-of-two length .* got shape \(12,\)"),
+    (torch.tensor([1.0, -1.0, 0.5, 1.0]), r"entries must be exactly \+1 or -1, got 1 of 4 other, first "
+                                          r"at \[2\]: 0\.5"),
+    (torch.tensor([1.0, 0.0, 1.0, 1.0]), r"got 1 of 4 other, first at \[1\]: 0\.0"),
+    (torch.tensor([1.0, 1.0, 1.0, float("nan")]), r"first at \[3\]: nan"),
+])
+def test_rotation_signs_are_validated(signs, message):
+    with pytest.raises(CodecError, match=r"layers/0/value\.rotation_signs .*" + message):
+        TensorPolicy(**UNI_V, rotation="hadamard", rotation_signs=signs).validate("layers/0/value")
+    TensorPolicy(**UNI_V, rotation="hadamard", rotation_signs=-torch.ones(4)).validate("layers/0/value")
+
+
+def test_rotation_signs_need_a_rotation_and_rows_of_their_block():
+    with pytest.raises(CodecError, match=r"v\.rotation_signs apply to rotation 'hadamard' only; allowed None with "
+                                         r"rotation 'none', got a tensor of shape \(4,\)"):
+        TensorPolicy(**UNI_V, rotation_signs=torch.ones(4)).validate("v")
+    p = TensorPolicy(**UNI_V, rotation="hadamard", rotation_signs=torch.ones(8))
+    with pytest.raises(CodecError, match=r"rotation_signs must hold b = 4 entries for rows of 12 channels .* got 8"):
+        encode(torch.randn(1, 1, 2, 12), p)
 
 
 def test_a_format_is_one_registered_row():
@@ -356,9 +447,9 @@ def test_a_format_is_one_registered_row():
         x = t4([[0.5, -2.0, 0.0, 3.0]])
         assert decode(encode(x, p), p).flatten().tolist() == [1.0, -1.0, 1.0, 1.0]
         assert stored_bits(p, 1, 1, 3, 4) == 3 * (8 + 7)   # 4 one-bit codes in one whole byte, 7 bits beside
-        assert not p.is_exportable
+        assert export_refusal(p, "key") is not None and export_refusal(p, "value") is not None
         with pytest.raises(CodecError, match=r"format sign with axis token is evaluation-only"):
-            check_exportable(p, "quant.key")
+            check_exportable(p, "quant.key", "key")
         with pytest.raises(CodecError, match=r"q\.bits must be one of \(1,\), got 2 \(format sign\)"):
             TensorPolicy(format="sign", bits=2, axis="token").validate_config("q")
         with pytest.raises(CodecError, match=r"outlier_fraction: format sign stores no sparse outliers"):

@@ -7,8 +7,8 @@ import torch
 
 from exporters import manifest as mf
 from exporters import rotation
-from exporters.codec import (CachePolicy, CodecError, TensorPolicy, check_exportable, decode, decode_rotated, encode,
-                             encoded_bits, rht_scale_and_zero, stored_bits, ultra_scales)
+from exporters.codec import (CachePolicy, CodecError, TensorPolicy, check_exportable, export_refusal, decode,
+                             decode_rotated, encode, encoded_bits, rht_scale_and_zero, stored_bits, ultra_scales)
 from pipeline.config import load_recipe
 from stages import recipe
 
@@ -107,10 +107,10 @@ def test_four_and_a_quarter_bits_per_element(p):
 
 @pytest.mark.parametrize("p", [V4, K4], ids=lambda p: p.format)
 def test_ultraquant_is_evaluation_only(p):
-    assert not p.is_exportable
+    assert export_refusal(p, "key") is not None and export_refusal(p, "value") is not None
     with pytest.raises(CodecError, match=rf"layer 1 keys: format {p.format} with axis token is evaluation-only.*"
                                          r"take fp16 \(axis tensor\); uniform .*got format="):
-        check_exportable(p, "layer 1 keys")
+        check_exportable(p, "layer 1 keys", "key")
     with pytest.raises(mf.QuantFieldError, match=rf"layers/1/key/format: the artifact allows format/axis .* got "
                                                   rf"format '{p.format}' with axis 'token'"):
         mf.build_manifest(CachePolicy("uq", [(TensorPolicy(), TensorPolicy()), (p, V4)]), spec=None, provenance={})

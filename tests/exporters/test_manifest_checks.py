@@ -5,11 +5,13 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from exporters import manifest as mf
 from exporters.native import load_artifact
 
 PREFIXED = "kvquant-3b-1pct+smooth+prefix"
+ROT = "kvquant-2b-1pct+sink16+recent32+rotclipv"   # nuq keys with outliers; uniform values rotated and clipped
 
 
 def _set(path, value):
@@ -55,12 +57,108 @@ DELETE = object()
      r"layers/0/key/tensors: .* allow exactly .*'zero': 'layers.0.key.zero'"),
     (PREFIXED, "layers/0/value/tensors/lower", "layers.0.key.lower", mf.TensorRefError, r"layers/0/value/tensors"),
     (PREFIXED, "cache/smoothing/tensor", "prefix.k", mf.TensorRefError, r"cache/smoothing: allowed \{'tensor': 'smooth'\}"),
+    (ROT, "layers/0/key/rotation", "hadamard", mf.RotationError,
+     r"layers/0/key/rotation: allowed only on values of format uniform with axis token and no sparse outliers "
+     r"\(outliers/fraction 0\); got 'hadamard' on a key of format nuq with axis channel and outliers/fraction 0.01"),
+    (ROT, "layers/1/key/clip", "mse", mf.RotationError,
+     r"layers/1/key/clip: allowed only on values of format uniform with axis token; got 'mse' on a key of format nuq"),
+    ("kvquant-3b", "layers/0/value/rotation", "hadamard", mf.RotationError,
+     r"layers/0/value/rotation: allowed only on values .*; got 'hadamard' on a value of format nuq with axis token"),
+    ("kvquant-3b", "layers/1/value/clip", "mse", mf.RotationError,
+     r"layers/1/value/clip: allowed only on values of format uniform with axis token; got 'mse' on a value of format "
+     r"nuq with axis token"),
+    ("kivi-2", "layers/0/value/clip", "mse", None, None),   # clip alone on uniform values: carried
+    (ROT, "layers/0/value/rotation", "none", mf.SchemaError,
+     r"manifest field layers/0/value/rotation: 'none' is not one of \['hadamard'\]"),
+    (ROT, "layers/0/value/clip", "none", mf.SchemaError, r"layers/0/value/clip: 'none' is not one of \['mse'\]"),
+    (ROT, "layers/0/value/rotation", DELETE, mf.TensorRefError,
+     r"layers/0/value/tensors: format uniform, axis token, outlier fraction 0.0, rotation none allow exactly \{\}"),
+    (ROT, "layers/0/value/tensors/rotation_signs", "layers.1.value.rotation_signs", mf.TensorRefError,
+     r"layers/0/value/tensors: .*rotation hadamard allow exactly "
+     r"\{'rotation_signs': 'layers.0.value.rotation_signs'\}"),
+    (ROT, "layers/1/value/tensors/rotation_signs", DELETE, mf.TensorRefError, r"layers/1/value/tensors: .*got \{\}"),
 ])
 def test_a_field_that_contradicts_another_is_refused(make_artifact, forge, recipe, path, value, error, message):
     artifact = make_artifact(recipe)
     forge(artifact, _set(path, value), rebind=True)
+    if error is None:
+        load_artifact(artifact)
+        return
     with pytest.raises(error, match=message):
         load_artifact(artifact)
+
+
+def test_rotation_with_outliers_is_refused(make_artifact, forge):
+    artifact = make_artifact(ROT)
+    forge(artifact, lambda m: m["layers"][0]["value"].update(outliers={"fraction": 0.01, "rule": "per_token_quantile"}),
+          rebind=True)
+    with pytest.raises(mf.RotationError, match=r"layers/0/value/rotation: .*no sparse outliers .*; got 'hadamard' on a "
+                                               r"value of format uniform with axis token and outliers/fraction 0.01"):
+        load_artifact(artifact)
+
+
+def test_rotated_values_round_trip_with_their_signs(make_artifact, tiny):
+    """A rotclipv artifact loads back to the policy that was exported: rotation, clip and the signs (the seeded
+    ones for b = head_dim & -head_dim, float32, under their canonical name); the keys carry neither."""
+    from exporters.rotation import rht_signs
+
+    art = load_artifact(make_artifact(ROT), tiny.spec)
+    b = tiny.spec.head_dim & -tiny.spec.head_dim
+    for i, (pk, pv) in enumerate(art.policy.layers):
+        layer = art.manifest["layers"][i]
+        assert (pv.rotation, pv.clip, pk.rotation, pk.clip) == ("hadamard", "mse", "none", "none")
+        assert torch.equal(pv.rotation_signs, rht_signs(b)) and pk.rotation_signs is None
+        assert (layer["value"]["rotation"], layer["value"]["clip"]) == ("hadamard", "mse")
+        assert "rotation" not in layer["key"] and "clip" not in layer["key"]
+        assert layer["value"]["tensors"] == {"rotation_signs": f"layers.{i}.value.rotation_signs"}
+        assert art.manifest["tensors"][f"layers.{i}.value.rotation_signs"]["shape"] == [b]
+        assert art.manifest["tensors"][f"layers.{i}.value.rotation_signs"]["dtype"] == "float32"
+
+
+def test_an_artifact_without_rotation_has_no_rotation_members(make_artifact):
+    """rotation / clip were added within format v2 as optional members: an artifact without them is written as
+    before (no member "none", no signs tensor)."""
+    for recipe in ("kvquant-2b+sink16+recent32", "kivi-2"):
+        raw = (load_artifact(make_artifact(recipe)).path / "manifest.json").read_text()
+        assert '"rotation"' not in raw and '"clip"' not in raw and "rotation_signs" not in raw
+
+
+@pytest.mark.parametrize("edit,error,message", [
+    (lambda t: t.update({"layers.0.value.rotation_signs": torch.ones(8)}), mf.TensorShapeError,
+     r"tensor 'layers.0.value.rotation_signs': shape \(8,\) \(declared \(16,\)\); the manifest fields imply \(16,\)"),
+    (lambda t: t.pop("layers.1.value.rotation_signs"), mf.MissingTensorError,
+     r"tensor 'layers.1.value.rotation_signs' is missing from tensors.safetensors"),
+])
+def test_the_signs_tensor_has_the_rotations_block(make_artifact, forge, edit, error, message):
+    artifact = forge(make_artifact(ROT), edit_tensors=edit)
+    with pytest.raises(error, match=message):
+        load_artifact(artifact)
+
+
+def test_a_rotated_value_whose_signs_are_not_declared_is_refused(make_artifact, forge):
+    artifact = forge(make_artifact(ROT), lambda m: m["tensors"].pop("layers.0.value.rotation_signs"),
+                     lambda t: t.pop("layers.0.value.rotation_signs"))
+    with pytest.raises(mf.MissingTensorError, match=r"tensor 'layers.0.value.rotation_signs' is referenced by the "
+                                                    r"manifest but not declared"):
+        load_artifact(artifact)
+
+
+def test_the_writer_refuses_what_the_artifact_does_not_carry(tiny):
+    """build_manifest applies the same rule by side: rotated keys, a nuq clip, signs of another length."""
+    import dataclasses
+
+    from exporters.codec import CachePolicy, TensorPolicy
+
+    v = TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard", clip="mse")
+    for pair, error, message in [
+        ((v, v), mf.RotationError, r"layers\.0\.key\.rotation: rotation hadamard is evaluation-only on keys"),
+        ((TensorPolicy(), dataclasses.replace(v, rotation="none", format="nuq", codebook=torch.linspace(-1, 1, 4))),
+         mf.RotationError, r"layers\.0\.value\.clip: clip mse is evaluation-only on values of format nuq"),
+        ((TensorPolicy(), dataclasses.replace(v, rotation_signs=torch.ones(8))), mf.TensorShapeError,
+         r"layers/0/value/tensors/rotation_signs: model/head_dim 16 implies \[16\], got shape \[8\]"),
+    ]:
+        with pytest.raises(error, match=message):
+            mf.build_manifest(CachePolicy("r", [pair, (TensorPolicy(), TensorPolicy())]), tiny.spec, {"data": {}})
 
 
 @pytest.mark.parametrize("path,value,message", [
@@ -162,3 +260,8 @@ def test_the_schema_enums_are_the_registrys_exported_formats():
     assert set(policy["axis"]["enum"]) == {a for f in exported for a in f.export_axes}
     assert set(policy["bits"]["enum"]) == {b for f in exported for b in f.bits}
     assert set(policy["zero_point"]["enum"]) == {f.zero_point for f in exported}
+    from exporters.codec import CALIBRATED_FIELDS, CLIPS, ROTATIONS
+    # rotation / clip: absent means "none", so the schema lists only the others (an explicit "none" is refused)
+    assert policy["rotation"]["enum"] == [r for r in ROTATIONS if r != "none"]
+    assert policy["clip"]["enum"] == [c for c in CLIPS if c != "none"]
+    assert list(policy["tensors"]["properties"]) == list(CALIBRATED_FIELDS)

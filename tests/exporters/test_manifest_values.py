@@ -14,6 +14,7 @@ from exporters.native import load_artifact
 
 KVQ = "kvquant-3b-1pct+smooth+prefix"   # nuq per channel: codebook, zero, range, lower, upper; smooth; prefix
 FP8 = "fp8-e4m3"                       # fp8 per tensor: fp8_scale
+ROT = "kvquant-2b+sink16+recent32+rotclipv"   # rotated uniform values: rotation_signs
 
 
 def _set(name, index, value):
@@ -36,6 +37,11 @@ def _set(name, index, value):
     (FP8, "layers.0.key.fp8_scale", 0, 0.0, r"fp8 scale must be in \(0"),
     (FP8, "layers.0.value.fp8_scale", 0, float("nan"), "finite"),
     (FP8, "layers.0.key.fp8_scale", 0, 1000.0, r"fp8 scale must be in \(0"),
+    (ROT, "layers.0.value.rotation_signs", 3, 0.5,
+     r"rotation_signs entries must be exactly \+1 or -1; 1 of 16 entries, first at \[3\]: 0.5"),
+    (ROT, "layers.1.value.rotation_signs", 0, 0.0, r"rotation_signs entries must be exactly \+1 or -1"),
+    (ROT, "layers.1.value.rotation_signs", 15, -2.0, r"rotation_signs entries must be exactly \+1 or -1"),
+    (ROT, "layers.0.value.rotation_signs", 7, float("nan"), "finite"),
 ])
 def test_a_re_signed_tensor_of_unusable_values_is_refused_naming_it(make_artifact, forge, recipe, name, index, value,
                                                                      says):

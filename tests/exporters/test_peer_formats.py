@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from exporters import manifest as mf
-from exporters.codec import (CachePolicy, CodecError, TensorPolicy, check_exportable, decode, encode, encoded_bits,
-                             fake_quant, rht_scale_and_zero, stored_bits, turbo_codebook)
+from exporters.codec import (CachePolicy, CodecError, TensorPolicy, check_exportable, export_refusal, decode, encode,
+                             encoded_bits, fake_quant, rht_scale_and_zero, stored_bits, turbo_codebook)
 from exporters.rotation import hadamard_orthonormal, rht, rht_inverse
 
 INT8 = TensorPolicy(format="int_sym", bits=8, axis="token")
@@ -230,11 +230,11 @@ def test_bad_peer_policies_name_the_field(policy, pattern):
 
 @pytest.mark.parametrize("p", PEER, ids=lambda p: f"{p.format}-{p.axis}-{p.bits}")
 def test_peer_formats_are_not_exportable(p):
-    assert not p.is_exportable
+    assert export_refusal(p, "key") is not None and export_refusal(p, "value") is not None
     with pytest.raises(CodecError, match=rf"layer 1 keys: format {p.format} with axis {p.axis} is evaluation-only.*"
                                          r"take fp16 \(axis tensor\); uniform \(axis token\|channel\)"):
-        check_exportable(p, "layer 1 keys")
-    check_exportable(TensorPolicy(format="uniform", bits=4, axis="token"), "fine")
+        check_exportable(p, "layer 1 keys", "key")
+    check_exportable(TensorPolicy(format="uniform", bits=4, axis="token"), "fine", "key")
 
 
 def test_the_manifest_refuses_a_peer_policy():
@@ -245,7 +245,7 @@ def test_the_manifest_refuses_a_peer_policy():
     layer = {"format": "fp8", "bits": 8, "axis": "token", "group_size": 0, "zero_point": "none", "fp8_dtype": "e4m3",
              "outliers": {"fraction": 0.0, "rule": "none"}, "tensors": {}}
     with pytest.raises(mf.QuantFieldError, match=r"layers/0/key/axis: format fp8 allows \['tensor', 'head'\], got 'token'"):
-        mf._check_policy_fields(layer, "layers/0/key")
+        mf._check_policy_fields(layer, "layers/0/key", "key")
 
 
 def test_fake_quant_keeps_the_input_dtype():

@@ -129,3 +129,64 @@ def test_an_outlier_channel_is_spread_over_the_block():
     x[0, 5] = 8.0
     y = rotation.rotate_orthonormal(x)
     assert torch.allclose(y.abs(), torch.full((1, 64), 1.0))   # 8 / sqrt(64) in every channel
+
+
+def test_orthonormal_rotation_with_explicit_signs_by_hand():
+    """y = H_4 (s * x) / 2: s = [1, 1, -1, 1] (not the seeded +-++), x = [1, 2, 3, 4], s * x = [1, 2, -3, 4];
+    the four Sylvester rows give 4, -8, 2, 6, halved. The norm stays sqrt(30)."""
+    s, x = torch.tensor([1.0, 1.0, -1.0, 1.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    y = rotation.rotate_orthonormal(x, s)
+    assert y.tolist() == [2.0, -4.0, 1.0, 3.0] and float(y.square().sum()) == 30.0
+    assert rotation.unrotate_orthonormal(y, s).tolist() == [1.0, 2.0, 3.0, 4.0]
+    # the seeded signs (+-++, the plan's example): s * x = [1, -2, 3, 4] -> 6, 2, -8, 4, halved
+    assert rotation.rotate_orthonormal(x).tolist() == [3.0, 1.0, -4.0, 2.0]
+    assert torch.equal(rotation.rotate_orthonormal(x, rotation.rht_signs(4)), rotation.rotate_orthonormal(x))
+
+
+@pytest.mark.parametrize("d", [4, 64, 96])
+def test_signs_none_are_the_seeded_signs_bit_for_bit(d):
+    x = torch.randn(2, 3, d, generator=torch.Generator().manual_seed(2))
+    b = rotation.largest_power_of_two_divisor(d)
+    y = rotation.rotate_orthonormal(x)
+    assert torch.equal(y, rotation.rotate_orthonormal(x, rotation.rht_signs(b)))
+    assert torch.equal(y, rotation.rht(x) / math.sqrt(b))     # today's definition, unchanged
+    assert torch.equal(rotation.unrotate_orthonormal(y), rotation.unrotate_orthonormal(y, rotation.rht_signs(b)))
+
+
+@pytest.mark.parametrize("d", [4, 64, 96])
+def test_the_unrotation_matrix_is_the_butterflys_inverse(d):
+    """y @ M == unrotate_orthonormal(y) with the same signs (block-diagonal for 96 = 3 x 32), up to float32
+    rounding of a matrix product; M is orthogonal."""
+    b = rotation.largest_power_of_two_divisor(d)
+    gen = torch.Generator().manual_seed(3)
+    signs = 2.0 * torch.randint(0, 2, (b,), generator=gen).float() - 1.0
+    y = torch.randn(5, d, generator=gen)
+    for s in (signs, None):
+        m = rotation.unrotation_matrix(d, s)
+        assert m.shape == (d, d) and m.dtype == torch.float32
+        assert torch.allclose(y @ m, rotation.unrotate_orthonormal(y, s), atol=1e-6)
+        assert torch.allclose(m @ m.T, torch.eye(d), atol=1e-6)
+    if d > b:   # off the diagonal blocks: zero
+        assert not rotation.unrotation_matrix(d, signs)[:b, b:].any()
+    # a wrong sign vector gives another matrix: a kernel holding the seeded signs fails against the policy's
+    assert not torch.allclose(rotation.unrotation_matrix(d, -signs), rotation.unrotation_matrix(d, signs))
+
+
+def test_unrotation_matrix_for_d4_by_hand():
+    """s = [1, 1, -1, 1]: M = H_4 * s[None, :] / 2, column 2 negated; the row y = [2, -4, 1, 3] maps back to
+    x = [1, 2, 3, 4] (the rotation by hand above)."""
+    m = rotation.unrotation_matrix(4, torch.tensor([1.0, 1.0, -1.0, 1.0]))
+    assert (2 * m).tolist() == [[1, 1, -1, 1], [1, -1, -1, -1], [1, 1, 1, -1], [1, -1, 1, 1]]
+    assert (torch.tensor([2.0, -4.0, 1.0, 3.0]) @ m).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("shape", [(2,), (8,), (2, 4)])
+def test_signs_of_the_wrong_length_or_shape_are_refused(shape):
+    x = torch.randn(3, 12)   # b = 4
+    with pytest.raises(ValueError, match=rf"signs must be a 1-D tensor of b = 4 entries .* got shape {shape}"
+                       .replace("(", r"\(").replace(")", r"\)")):
+        rotation.rotate_orthonormal(x, torch.ones(shape))
+    with pytest.raises(ValueError, match="signs must be a 1-D tensor of b = 4"):
+        rotation.unrotate_orthonormal(x, torch.ones(shape))
+    with pytest.raises(ValueError, match="signs must be a 1-D tensor of b = 4"):
+        rotation.unrotation_matrix(12, torch.ones(shape))

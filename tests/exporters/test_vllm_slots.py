@@ -157,6 +157,20 @@ def test_refusals_name_the_field():
     assert [line.split(":")[0] for line in vs.refusals(mixed)] == ["layers/*/value"]
 
 
+def test_rotated_and_clipped_values_are_refused_by_name(tiny, calib):
+    """A rotclipv policy (exportable: the artifact carries rotation and clip) is no vLLM slot: the plugin encodes
+    new rows without the rotation and the range search, and the residual window needs per-request state."""
+    from pipeline.config import load_recipe
+    from stages.recipe import build_policy
+
+    pol = build_policy(load_recipe("kvquant-2b+sink16+recent32+rotclipv"), tiny.spec.n_layers, calib["plain"])
+    fields = [line.split(":")[0] for line in vs.refusals(pol)]
+    assert fields == ["cache/residual"] + [f"layers/{i}/value/{f}" for i in range(2) for f in ("rotation", "clip")]
+    clip_only = kvquant_like(v=TensorPolicy(format="uniform", bits=2, axis="token", clip="mse"))
+    assert vs.refusals(clip_only) == ["layers/0/value/clip: allowed 'none', got 'mse'",
+                                      "layers/1/value/clip: allowed 'none', got 'mse'"]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("h,d", [(1, 13), (3, 13), (3, 16), (3, 64)])
 @pytest.mark.parametrize("kf,vf", [(0.0, 0.0), (0.01, 0.0), (0.0, 0.01), (0.1, 0.1)])

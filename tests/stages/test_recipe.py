@@ -67,5 +67,35 @@ def test_a_vllm_recipe_cannot_be_exported(name):
 
 
 def test_our_recipes_can_be_exported():
-    for name in ("fp16", "fp8-e4m3", "int4-token", "kivi-2", "kvquant-3b-1pct"):
+    for name in ("fp16", "fp8-e4m3", "int4-token", "kivi-2", "kvquant-3b-1pct", "kvquant-2b+sink16+recent32+rotclipv",
+                 "kvquant-2b-1pct+sink16+recent32+rotclipv"):
         recipe.check_exportable_recipe(load_recipe(name))
+
+
+@pytest.mark.parametrize("name,field,given", [
+    ("kvquant-3b-1pct+rot", r"quant\.key\.rotation", "on keys of format nuq with axis channel"),   # keys, before RoPE
+    ("kvquant-3b-1pct+rotv", r"quant\.value\.rotation", "on values of format nuq with axis token"),
+    ("kvquant-4b+rot", r"quant\.key\.rotation", "on keys of format nuq"),
+    ("oscar-style-int2", r"quant\.key\.rotation", "on keys of format uniform with axis token"),   # post-RoPE keys
+    ("kvquant-2b+sink16+recent32+clipv", r"quant\.value\.clip", "on values of format nuq with axis token"),
+])
+def test_rotations_and_clips_elsewhere_than_uniform_values_stay_evaluation_only(name, field, given):
+    q = load_recipe(name)
+    assert not recipe.is_exportable_recipe(q)
+    with pytest.raises(CodecError, match=rf"^{field}: \w+ \w+ is evaluation-only {given}"):
+        recipe.check_exportable_recipe(q)
+
+
+def test_a_rotated_policy_holds_the_signs_its_artifact_stores():
+    """With the abs-max in the calibration (every run has it), each rotated policy holds rht_signs(D & -D): the
+    run's ledger (static_bits) counts the 32 * b bits per layer that the artifact stores; without it none."""
+    from exporters.codec import static_bits
+    from exporters.rotation import rht_signs
+
+    q = load_recipe("kvquant-2b+sink16+recent32+rotclipv")
+    q.key = TensorQuantConfig(format="uniform", bits=4, axis="token")
+    absmax = {"k_absmax": torch.ones(3, 2, 96), "v_absmax": torch.ones(3, 2, 96)}   # D = 96: b = 32
+    for pk, pv in recipe.build_policy(q, 3, absmax).layers:
+        assert torch.equal(pv.rotation_signs, rht_signs(32)) and pk.rotation_signs is None
+        assert static_bits(pv) == 32 * 32 and static_bits(pk) == 0
+    assert all(pv.rotation_signs is None for _, pv in recipe.build_policy(q, 3, {}).layers)
