@@ -14,6 +14,10 @@ decoding, in exporters/rope.py's convention whatever the model's dtype: float32 
 (the fp16 rows as received), the codec encoding the float32 result; decoded keys are float32 until `materialize`
 rounds the whole history once to the model's dtype for its own attention (the block-wise reader keeps float32).
 SmoothAttention: the cache stores K / lambda and multiplies back.
+Rotated values (value rotation "hadamard", clip "mse": exporters.codec.export_refusal): the encoded value rows hold
+the codec's bytes of the rotated, clipped row (the codec encodes them: the CPU kernel's encoder takes neither);
+sink, residual and prefix rows stay un-rotated fp16; `materialize` decodes (un-rotates) row by row, the kernels
+un-rotate their sum (serving/inputs.py).
 
 Which rows are sink, encoded or residual at every step, when the residual buffer flushes (whole units of K's and
 V's groups) and what a sliding-window layer keeps are exporters/served_rows.py's (LayerRows), the definition the
@@ -404,8 +408,8 @@ class ArtifactCache(Cache):
         # the block-wise attention's own accounting: its largest float32 working set so far (bytes)
         self.stats = {"largest_decode_temporary_bytes": 0, "largest_prefill_temporary_bytes": 0}
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
-            check_exportable(pk, f"ArtifactCache: layer {i} keys")
-            check_exportable(pv, f"ArtifactCache: layer {i} values")
+            check_exportable(pk, f"ArtifactCache: layer {i} keys", "key")
+            check_exportable(pv, f"ArtifactCache: layer {i} values", "value")
         bind(policy, model.config)  # before any kernel sees a tensor of it
         from stages.hooks import layer_windows, model_rotaries
 

@@ -6,6 +6,8 @@ of rows it decodes the stored bytes (codes through the codebook or code * scale 
 table, sparse outliers put back), multiplies keys by lambda, rotates pre-RoPE keys at their positions, and folds
 the scores of the GQA group into an online softmax and the value sum (docs/serving.md). Work items run on the
 process's OpenMP threads (torch's runtime: the library links libgomp.so.1, which torch has already loaded).
+Rotated values (serving/inputs.py): the library returns the fp16 rows' and the pages' value sums apart
+(split_v) and decode_attention un-rotates the second once per query head (inputs.finish).
 
 Built once per machine by `python -m serving.cpu_attention build` (scripts/install.sh runs it): the system's
 C compiler (`$CC`, else cc) with -O3 -march=native -fopenmp, into `$KVCALIB_KERNEL_DIR`, else
@@ -46,7 +48,7 @@ import torch
 from exporters.errors import InputError
 from exporters.layout import calibrated_shape, check_row_entries, pages_of
 from serving import pages
-from serving.inputs import DecodeInputs
+from serving.inputs import DecodeInputs, finish, value_unrotation
 from serving.pages import FMT_NUQ, FMT_UNIFORM, N_PAGE, SC_HEAD, SC_STATIC, fp8_lut, side_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
@@ -69,7 +71,7 @@ def flags() -> tuple[str, ...]:
             raise OSError(f"KVCALIB_KERNEL_SANITIZE must be one of {sorted(SANITIZERS)}, got {sanitize!r}")
         out += SANITIZERS[sanitize]
     return out
-ABI = 1
+ABI = 2
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
 
@@ -102,7 +104,7 @@ class _Call(ctypes.Structure):
                 ("B", ctypes.c_int64), ("H_kv", ctypes.c_int64), ("G", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("scaling", ctypes.c_float), ("lam", ctypes.c_void_p), ("rope", ctypes.c_void_p),
                 ("rope_n", ctypes.c_int64), ("sink", _Rows), ("recent", _Rows), ("ks", _Side), ("vs", _Side),
-                ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16)]
+                ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16), ("split_v", ctypes.c_int32)]
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
@@ -387,11 +389,13 @@ def _make_side(p, flags: dict, n_kv: int, d: int) -> tuple[_Side, list]:
 
 def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
            outliers: tuple[bool, bool], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
-           lam: torch.Tensor | None, chunk: int, threads: int, keep: list) -> torch.Tensor:
+           lam: torch.Tensor | None, chunk: int, threads: int, keep: list, split: bool = False) -> torch.Tensor:
     """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (serving/pages.py's fields), queries
     q [B, H_q, D], the policies' static tensors, which sides store outliers, the RoPE table [N, 2, D / 2] (pre-RoPE
-    keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32. The one entry to the library's decode, for
-    the serving cache (decode_attention) and the vLLM plugin (serving/vllm_backend.py)."""
+    keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32; split: [2, B, H_q, D], the value sum of
+    the sink and residual rows, then that of the pages (rotated values: the caller un-rotates the second). The one
+    entry to the library's decode, for the serving cache (decode_attention) and the vLLM plugin
+    (serving/vllm_backend.py, never split)."""
     lib = _LIB["lib"]
     if q.dim() != 3 or h_kv < 1 or q.shape[1] % h_kv or q.shape[1] // h_kv > lib.kvcalib_max_g():
         raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}, at "
@@ -415,7 +419,8 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
                  None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
                  0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
     call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
-    out = torch.empty(b, h_q, d, dtype=torch.float32)
+    call.split_v = int(split)
+    out = torch.empty(*((2,) if split else ()), b, h_q, d, dtype=torch.float32)
     rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
     if rc == -4:
         raise InputError(f"page table: positions run past the RoPE table's {call.rope_n} positions (kvcalib_decode "
@@ -434,8 +439,9 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
 def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None = None,
                      stats: dict | None = None) -> torch.Tensor:
     """The new token's attention over every stored row -> [B, H_q, D] float32 (the signature of
-    reference.decode_attention: a `kernel` for runtime_check.check.check_case). Refuses (ValueError, the reason)
-    what `refusal` names. stats: {"largest_decode_temporary_bytes"} raised to this call's working set (temporary_bytes)."""
+    reference.decode_attention: a `kernel` for runtime_check.check.check_case). Rotated values: the pages' value
+    sum comes back apart and is un-rotated once (serving/inputs.py). Refuses (ValueError, the reason) what
+    `refusal` names. stats: {"largest_decode_temporary_bytes"} raised to this call's working set (temporary_bytes)."""
     why = refusal(inp)
     if why is not None:
         raise ValueError(why)
@@ -481,14 +487,17 @@ def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None 
                              "half by half; the block-wise torch path reads them")
     lam = None if inp.smooth is None else inp.smooth.float().contiguous()
     threads = threads or torch.get_num_threads()
+    unrotate = value_unrotation(inp.value_policy, d, torch.device("cpu"))
     out = launch(tab, len(k_pages), inp.q, h_kv, float(inp.scaling), inp.key_policy, inp.value_policy,
                  (k_outl, v_outl), rope, _rows(inp.sink, b, h_kv, d, "sink"), _rows(inp.recent, b, h_kv, d, "recent"),
-                 lam, chunk, threads, keep)
+                 lam, chunk, threads, keep, split=unrotate is not None)
+    if unrotate is not None:
+        out = finish(out[0], out[1], unrotate)
     b, h_q, d = out.shape
     if stats is not None:
         rows = [p.shape[2] for p in k_pages]
         work = temporary_bytes(b, h_kv, h_q // h_kv, d, rows, inp.sink is not None, inp.recent is not None, chunk,
-                               threads) + tab.numel() * 8 + out.numel() * 4
+                               threads) + tab.numel() * 8 + out.numel() * 4 * (1 if unrotate is None else 2)
         key = "largest_decode_temporary_bytes"
         stats[key] = max(stats.get(key, 0), work)
     del keep, tab
@@ -503,11 +512,13 @@ _CONSTS: dict[int, tuple] = {}
 def _encoder_consts(p) -> dict | None:
     """A policy's tensors as the encoder reads them (float32, contiguous; nuq's midpoints as
     exporters.codec.nearest_level computes them), made once per policy object; None for a policy the encoder does
-    not take (fp16 and fp8 rows are a cast: the codec's torch path stores them; a rotation is evaluation-only)."""
+    not take (fp16 and fp8 rows are a cast: the codec's torch path stores them; a rotation or a range clip is
+    encoded by the codec too: its clip picks a ratio by a torch float32 sum whose order a C port would not promise
+    to repeat on a near tie)."""
     held = _CONSTS.get(id(p))
     if held is not None and held[0]() is p:
         return held[1]
-    if p.format not in ("nuq", "uniform") or p.rotation != "none" or p.bits > 8:
+    if p.format not in ("nuq", "uniform") or p.rotation != "none" or p.clip != "none" or p.bits > 8:
         consts = None
     else:
         p.validate("policy")
@@ -608,7 +619,8 @@ def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes
     consts = _encoder_consts(p)
     if consts is None:
         raise InputError(f"encode_into: the CPU encoder does not take a {p.format} {p.axis} policy (rotation "
-                         f"{p.rotation}, {p.bits} bits); allowed: nuq or uniform, no rotation, at most 8 bits")
+                         f"{p.rotation}, clip {p.clip}, {p.bits} bits); allowed: nuq or uniform, no rotation, no clip, "
+                         f"at most 8 bits")
     if x.dim() != 4 or x.shape[0] != 1 or x.shape[2] != 1 or x.dtype not in (torch.float16, torch.float32):
         raise InputError(f"encode_into: one token's rows [1, H, 1, D] in float16 or float32, got {x.dtype} "
                          f"{list(x.shape)}")

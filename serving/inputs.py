@@ -5,14 +5,21 @@ two readers of identical bytes. Positions: sink rows are 0..S-1, encoded block r
 block's `start`), residual rows follow; sink and residual keys are stored post-RoPE, block keys per `key_rope`.
 A sliding-window layer forgets its oldest rows: then the rows held begin at `start` (sink rows, if any are left,
 at start..S-1) and are contiguous from there.
+
+Rotated values (value policy rotation "hadamard", exporters/codec.py): encoded value rows are stored in the
+rotated basis, fp16 rows (sink, residual, prefix) never. A kernel sums the two parts apart under one softmax and
+un-rotates the encoded part once per query head (`value_unrotation`, `finish`): out = A_fp / L + U(A_enc / L).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
+
 import torch
 
 from exporters.codec import TensorPolicy
 from exporters.layout import PagedBlock, StoredBlock
+from exporters.rotation import unrotation_matrix
 
 @dataclass
 class DecodeInputs:
@@ -72,3 +79,31 @@ def inputs_to(inp: DecodeInputs, device) -> DecodeInputs:
                    value_policy=inp.value_policy.to(device), sink=pair(inp.sink),
                    k_block=block_to(inp.k_block, device), v_block=block_to(inp.v_block, device),
                    recent=pair(inp.recent), smooth=_to(inp.smooth, device))
+
+
+_UNROTATIONS: dict[tuple, tuple] = {}
+
+
+def value_unrotation(p: TensorPolicy, d: int, device) -> torch.Tensor | None:
+    """[d, d] float32 M on `device` with y @ M the un-rotation of a value row y stored by the rotated policy p
+    (exporters.rotation.unrotation_matrix with p's rotation_signs; None: the seeded ones, as the codec), or None
+    when p does not rotate. Made once per policy object, head_dim and device (a policy is an unhashable dataclass:
+    kept by id, checked by a weak reference, as cpu_attention's _SIDES)."""
+    if p.rotation == "none":
+        return None
+    key = (id(p), d, str(device))
+    held = _UNROTATIONS.get(key)
+    if held is not None and held[0]() is p:
+        return held[1]
+    signs = None if p.rotation_signs is None else p.rotation_signs.detach().cpu()
+    m = unrotation_matrix(d, signs).to(device).contiguous()
+    _UNROTATIONS[key] = (weakref.ref(p, lambda _, key=key: _UNROTATIONS.pop(key, None)), m)
+    return m
+
+
+def finish(out_fp: torch.Tensor, out_enc: torch.Tensor, unrotate: torch.Tensor) -> torch.Tensor:
+    """A split value sum made whole: out_fp + out_enc @ unrotate, in place in out_fp [..., D] (both parts already
+    divided by the softmax's sum; out_enc in the rotated basis) -> out_fp."""
+    d = out_fp.shape[-1]
+    out_fp.view(-1, d).addmm_(out_enc.reshape(-1, d), unrotate)
+    return out_fp

@@ -10,6 +10,8 @@ rotates pre-RoPE keys at their positions (rotate-half pairs, angle = position * 
 module), in the oracle's order. Sink and residual rows are read as stored (fp16). Softmax is online in float32
 (base 2, scaling * log2(e) folded into q), flash-decoding style: programs (sequence, kv head, item) each reduce a
 run of rows of one page for all query heads of their GQA group, and a second kernel merges the items.
+Rotated values (serving/inputs.py): item 0 then reads the fp16 rows alone, the merge keeps its value sum apart
+from the other items' (SPLIT), and the encoded part is un-rotated once per query head after the merge.
 
 The cache's pages (exporters.layout.PagedBlock) are read where they lie, all in one launch: an int64 page table
 gives each page's tensors (element addresses, relative to the first page's, whose tensors are the pointer
@@ -40,7 +42,7 @@ import triton.language as tl  # noqa: E402
 
 from exporters.codec import TensorPolicy  # noqa: E402
 from exporters.layout import pages_of  # noqa: E402
-from serving.inputs import DecodeInputs, inputs_to  # noqa: E402
+from serving.inputs import DecodeInputs, finish, inputs_to, value_unrotation  # noqa: E402
 from serving import pages  # noqa: E402
 from serving.pages import FMT_NUQ, N_PAGE, N_SIDE, SC_HEAD, SC_STATIC, fp8_lut, side_flags  # noqa: E402
 
@@ -272,9 +274,11 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _combine_kernel(PO, PM, PL, OUT, n_split, S_BLOCK: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(PO, PM, PL, OUT, OUT_FP, n_split, S_BLOCK: tl.constexpr, D: tl.constexpr,
+                    SPLIT: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (sequence, query head), over its n_split
-    partials S_BLOCK at a time (the running max rescales what is summed, as in the partial kernel)."""
+    partials S_BLOCK at a time (the running max rescales what is summed, as in the partial kernel). SPLIT 1: partial
+    0 (the fp16 rows alone) is summed into OUT_FP, the others into OUT, both over the same sum; 0: all into OUT."""
     row = tl.program_id(0).to(tl.int64)
     dd = tl.arange(0, D)
     s = tl.arange(0, S_BLOCK)
@@ -283,8 +287,10 @@ def _combine_kernel(PO, PM, PL, OUT, n_split, S_BLOCK: tl.constexpr, D: tl.const
     big_m = _rowmax(m, 0)
     w = tl.exp2(m - big_m)
     big_l = _sum(w * tl.load(PL + row * n_split + s, mask=ok, other=0.0), 0)
-    big_acc = _sum(w[:, None] * tl.load(PO + (row * n_split + s)[:, None] * D + dd[None, :], mask=ok[:, None],
-                                        other=0.0), 0)
+    part = w[:, None] * tl.load(PO + (row * n_split + s)[:, None] * D + dd[None, :], mask=ok[:, None], other=0.0)
+    fp = s < SPLIT                                               # the partials of the fp16 rows alone
+    big_acc = _sum(tl.where(fp[:, None], 0.0, part), 0)
+    big_fp = _sum(tl.where(fp[:, None], part, 0.0), 0)
     for s0 in range(S_BLOCK, n_split, S_BLOCK):
         ok = s0 + s < n_split
         at = row * n_split + s0 + s
@@ -295,8 +301,11 @@ def _combine_kernel(PO, PM, PL, OUT, n_split, S_BLOCK: tl.constexpr, D: tl.const
         big_l = big_l * alpha + _sum(w * tl.load(PL + at, mask=ok, other=0.0), 0)
         big_acc = big_acc * alpha + _sum(w[:, None] * tl.load(PO + at[:, None] * D + dd[None, :], mask=ok[:, None],
                                                                other=0.0), 0)
+        big_fp = big_fp * alpha
         big_m = m_new
     tl.store(OUT + row * D + dd, big_acc / big_l)
+    if SPLIT:
+        tl.store(OUT_FP + row * D + dd, big_fp / big_l)
 
 
 # ---- host side ----------------------------------------------------------------------------------------------
@@ -375,13 +384,14 @@ def _side_pointers(first: pages.PageSide | None, p: TensorPolicy, flags: dict, n
     return [dummy if t is None else t for t in (data, scale, zero, lut, counts, offsets, index, value)]
 
 
-def _items(rows: list[int], block_t: int, target: int) -> list[int]:
+def _items(rows: list[int], block_t: int, target: int, split: bool = False) -> list[int]:
     """Work items, flat (page, first row, end row): each page's rows cut into runs of whole tiles, about `target`
-    runs in all; one empty item when no row is encoded (item 0 also reads the full-precision rows)."""
+    runs in all; one empty item when no row is encoded (item 0 also reads the full-precision rows). split: an empty
+    item first, so that item 0 reads the full-precision rows alone (rotated values: their sum is kept apart)."""
     tiles = sum(-(-n // block_t) for n in rows)
     chunk = max(1, -(-tiles // target)) * block_t
     items = [x for i, n in enumerate(rows) for a in range(0, n, chunk) for x in (i, a, min(a + chunk, n))]
-    return items or [0, 0, 0]
+    return [0, 0, 0] + items if split else items or [0, 0, 0]
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
@@ -436,8 +446,11 @@ class DecodeLaunch:
     args: list
     meta: dict
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # [B*H_q, n_items, D], [B*H_q, n_items] x2
-    out: torch.Tensor                                            # [B, H_q, D] float32
+    out: torch.Tensor                                            # [B, H_q, D] float32 (rotated values: the
+                                                                 # encoded rows' part, in the rotated basis)
     keep: tuple = ()
+    out_fp: torch.Tensor | None = None     # rotated values: [B, H_q, D] the fp16 rows' part (else None)
+    unrotate: torch.Tensor | None = None   # rotated values: [D, D] (serving.inputs.value_unrotation)
 
 
 def prepare(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None, device: torch.device | str | None = None,
@@ -483,7 +496,8 @@ def prepare(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None, d
         raise ValueError("every page of a side must store sparse outliers, or none")
     n_q = sum(rows)
     tiles = sum(-(-n // block_t) for n in rows)
-    items = _items(rows, block_t, n_splits or _n_splits(tiles, b * h_kv, device))
+    unrotate = value_unrotation(inp.value_policy, d, device)
+    items = _items(rows, block_t, n_splits or _n_splits(tiles, b * h_kv, device), split=unrotate is not None)
     table = table or [0] * N_PAGE
     tables = _upload(table + items, device)
     n_items = len(items) // 3
@@ -510,18 +524,24 @@ def prepare(inp: DecodeInputs, block_t: int = 32, n_splits: int | None = None, d
                 V_FMT=vf["FMT"], V_BITS=vf["BITS"], V_SMODE=vf["SMODE"], V_GROUP=vf["GROUP"],
                 V_OUTL=first[1] is not None and first[1].outliers)
     out = torch.empty(b, h_q, d, dtype=torch.float32, device=device)
-    return DecodeLaunch((b * h_kv, n_items), args, meta, partials, out, keep=(tables, sides))
+    out_fp = None if unrotate is None else torch.empty_like(out)
+    return DecodeLaunch((b * h_kv, n_items), args, meta, partials, out, keep=(tables, sides), out_fp=out_fp,
+                        unrotate=unrotate)
 
 
 def run(launch: DecodeLaunch) -> torch.Tensor:
     """Launch the partial-attention kernel over (sequence x kv head, work item), then the merge, on the device of
-    the launch's tensors. -> [B, H_q, D]"""
+    the launch's tensors (rotated values: then the un-rotation of the encoded part, serving.inputs.finish).
+    -> [B, H_q, D]"""
     n_items = launch.grid[1]
+    split = launch.unrotate is not None
     with _on_device(launch.out.device):
         _decode_partial_kernel[launch.grid](*launch.args, **launch.meta, num_warps=4)
         _combine_kernel[(launch.out.shape[0] * launch.out.shape[1],)](
-            *launch.partials, launch.out, n_items, S_BLOCK=min(64, triton.next_power_of_2(n_items)),
-            D=launch.meta["D"])
+            *launch.partials, launch.out, launch.out_fp if split else launch.out, n_items,
+            S_BLOCK=min(64, triton.next_power_of_2(n_items)), D=launch.meta["D"], SPLIT=int(split))
+        if split:
+            return finish(launch.out_fp, launch.out, launch.unrotate)
     return launch.out
 
 

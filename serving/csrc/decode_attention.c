@@ -10,7 +10,9 @@
  * positions (rotate-half, cos / sin from the caller's table), computes the scores of every query head of the GQA
  * group against the tile (each kv head's rows read once for its group), an online softmax in float32 and the value
  * sum. Work items (sequence, kv head, run of rows) run in parallel (OpenMP, the process's runtime: torch's), each
- * leaving (max, sum, accumulator) partials that one pass merges by the same rule.
+ * leaving (max, sum, accumulator) partials that one pass merges by the same rule. With split_v (rotated values:
+ * encoded value rows are stored rotated, fp16 rows are not) the merge writes the value sum of the fp16 rows' items
+ * and that of the pages' items apart, both under the same max and sum; the caller un-rotates the second and adds.
  *
  * Built by serving/cpu_attention.py (cc -O3 -march=native -fopenmp -ffp-contract=off); called through ctypes.
  * The wrapper checks every buffer against the shapes it states (serving/cpu_attention.py); what an index read from
@@ -40,7 +42,7 @@ enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
 #define MAX_G 32
 #define MAX_ROW_ENTRIES 32767   /* int16 outlier indices h * D + d: H * D at most this (exporters/layout.py's,
                                    compared by tests/serving/test_untrusted_binding.py) */
-#define KVCALIB_ABI 1
+#define KVCALIB_ABI 2
 
 typedef _Float16 half;
 
@@ -73,6 +75,7 @@ typedef struct {
     Rows sink, recent;
     Side ks, vs;
     float klut16[16], vlut16[16];   /* the codebooks padded to 16 (filled by kvcalib_decode) */
+    int32_t split_v;     /* 1: out holds [2, B, H_kv * G, D], the fp16 rows' part then the pages' part */
 } Call;
 
 int kvcalib_abi(void) { return KVCALIB_ABI; }
@@ -385,7 +388,9 @@ static int run_page(const Call *c, const Item *it, const float *qs, State *st, f
     }
 }
 
-/* The attention of every sequence's new token over the layer's cache -> out [B, H_kv * G, D].
+/* The attention of every sequence's new token over the layer's cache -> out [B, H_kv * G, D], or with c->split_v
+ * out [2, B, H_kv * G, D]: the sink and residual rows' part of the value sum, then the pages' part (each divided by
+ * the whole softmax's sum; their sum is the attention output when the pages' values need no un-rotation).
  * chunk: rows per work item (a page's rows are cut into runs of at most chunk). Returns 0, or a negative code:
  * -1 shapes out of range (D, G, H, B, chunk, rows), -2 out of memory, -4 a page's positions past the RoPE table,
  * -5 a negative stored outlier count, list offset or index. */
@@ -460,7 +465,8 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
                 M = m > M ? m : M;
             }
             float *o = out + (bh * G + g) * D;
-            for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+            float *o_enc = c->split_v ? o + B * H * G * D : o;   /* where the pages' items add */
+            for (int64_t d = 0; d < D; d++) o[d] = o_enc[d] = 0.f;
             float L = 0.f;
             for (int64_t j = 0; j < per; j++) {
                 const float *pm = part + (bh * per + j) * G * (D + 2);
@@ -468,9 +474,12 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
                 const float w = expf(pm[g] - M);
                 L += w * pm[G + g];
                 const float *acc = pm + 2 * G + g * D;
-                for (int64_t d = 0; d < D; d++) o[d] += w * acc[d];
+                float *dst = items[bh * per + j].kind >= 0 ? o_enc : o;
+                for (int64_t d = 0; d < D; d++) dst[d] += w * acc[d];
             }
             for (int64_t d = 0; d < D; d++) o[d] /= L;
+            if (c->split_v)
+                for (int64_t d = 0; d < D; d++) o_enc[d] /= L;
         }
     }
     free(items);
