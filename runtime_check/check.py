@@ -38,6 +38,9 @@ def tolerance(manifest: dict) -> tuple[dict, str]:
              "torch.softmax)"]
     if manifest["cache"]["key_rope"] == "pre" and any(k["format"] != "fp16" for k in keys):
         terms.append("in-kernel cos/sin of position * inv_freq (range-reduced) vs the model's rotary module")
+    if any(layer["value"].get("rotation", "none") != "none" for layer in manifest["layers"]):
+        terms.append("rotated values un-rotated once, the attention-weighted sum of the encoded rows times a [D, D] "
+                     "float32 matrix, vs the butterfly on every decoded row (linear: equal up to D-term sums)")
     formats = sorted({layer[kind]["format"] for layer in manifest["layers"] for kind in ("key", "value")})
     reason = (f"formats {'/'.join(formats)}: kernel and oracle decode identical stored bytes (packed codes, fp16 "
               f"scales, zero-points and outliers, fp8 bytes, fp16 sink and residual rows) to identical float32 "

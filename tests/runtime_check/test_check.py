@@ -53,6 +53,10 @@ def test_tolerance_states_each_term():
     assert "lambda" not in reason  # kernel and oracle both multiply lambda into the decoded keys: no term
     _, plain = tolerance(manifest("fp16", "pre", False))  # fp16 keys are stored post-RoPE whatever key_rope says
     assert "cos/sin" not in plain and "lambda" not in plain and f"rtol={RTOL:g}" in plain
+    assert "un-rotated" not in reason and "un-rotated" not in plain
+    rotated = manifest("nuq", "pre", False)
+    rotated["layers"][1] = {"key": {"format": "nuq"}, "value": {"format": "uniform", "rotation": "hadamard"}}
+    assert "rotated values un-rotated once" in tolerance(rotated)[1]
 
 
 def test_tolerance_reason_states_the_rule_not_a_measurement():

@@ -1,14 +1,16 @@
 """The fused CPU decode kernel (serving/cpu_attention.py): equal to the oracle within the runtime check's bound
 on every exported format (nuq and uniform, token and channel axes and value groups, 2/3/4/8 bits, fp8 per tensor
 and per head, fp16, sparse outliers, SmoothAttention, pre- and post-RoPE keys, sink and residual rows), over many
-pages with work-item and tile boundaries inside encoded rows; planted faults fail the comparison; without the
-library the serving path falls back to the block-wise torch attention and says why once."""
+pages with work-item and tile boundaries inside encoded rows, rotated clipped values (the encoded rows' value sum
+un-rotated apart from the fp16 rows'); planted faults fail the comparison; without the library the serving path
+falls back to the block-wise torch attention and says why once."""
 from dataclasses import replace
 
 import pytest
 import torch
 
 from exporters.codec import CachePolicy, TensorPolicy
+from exporters.errors import InputError
 from pipeline.check import eval_ids
 from runtime_check import reference
 from runtime_check.check import RTOL, check_case, compare
@@ -41,7 +43,11 @@ def _paged_inputs(tiny, pol, page: int, context: int = 45, batch: int = 2):
     return [from_layer(layer, *queries[i], tiny.model.model.rotary_emb) for i, layer in enumerate(cache.layers)]
 
 
-@pytest.mark.parametrize("name", [*RECIPES, "value-groups", "kvquant-2b-1pct", "kvquant-3b-1pct+rotk", "int2-token"])
+ROTCLIPV = "kvquant-2b+sink16+recent32+rotclipv"
+
+
+@pytest.mark.parametrize("name", [*RECIPES, "value-groups", "kvquant-2b-1pct", "kvquant-3b-1pct+rotk", "int2-token",
+                                  ROTCLIPV])
 @pytest.mark.parametrize("chunk", [5, 512])
 def test_the_cpu_kernel_equals_the_oracle(tiny, calib, name, chunk):
     """Every layer of real K/V: pages of 8 rows (several, the last open), items of `chunk` rows (5: item and tile
@@ -50,6 +56,8 @@ def test_the_cpu_kernel_equals_the_oracle(tiny, calib, name, chunk):
     if name.endswith("+rotk"):  # the rotation is evaluation-only: the same keys without it
         pol = replace(pol, layers=[(replace(k, rotation="none"), v) for k, v in pol.layers])
     pol = replace(pol, residual=3) if pol.residual == 0 else pol
+    if name == ROTCLIPV:  # 16 sinks + 32 recent rows would leave none of the 45 tokens encoded
+        pol = replace(pol, n_sink=2, residual=3)
     for inp in _paged_inputs(tiny, pol, page=8):
         if inp.k_block is not None:
             assert len(inp.k_block.pages) >= 3
@@ -60,7 +68,8 @@ def test_the_cpu_kernel_equals_the_oracle(tiny, calib, name, chunk):
 
 def _synthetic(fmt: dict, d: int = 16, h_kv: int = 2, g: int = 3, n: int = 37, b: int = 2, seed: int = 0,
                page: int = 8):
-    """A cache of random rows under a hand-made policy (codebooks, static ranges, bounds) in pages of 8."""
+    """A cache of random rows under a hand-made policy (codebooks, static ranges, bounds; rotation signs drawn
+    from fmt["signs"], a seed, when given) in pages of 8."""
     from exporters.codec import encode
     from exporters.layout import PagedRows, store
     from serving.inputs import DecodeInputs
@@ -77,6 +86,9 @@ def _synthetic(fmt: dict, d: int = 16, h_kv: int = 2, g: int = 3, n: int = 37, b
             p.lower, p.upper = -torch.ones(h_kv, d) * 1.5, torch.ones(h_kv, d) * 1.5
         if p.format == "fp8":
             p.fp8_scale = (torch.rand(h_kv, generator=gen) + 0.5) / 100 if p.axis == "head" else torch.tensor(0.01)
+        if p.rotation == "hadamard" and "signs" in fmt:  # signs of their own (a seed), not the seeded rht_signs
+            signs = torch.Generator().manual_seed(fmt["signs"])
+            p.rotation_signs = torch.randint(0, 2, (d & -d,), generator=signs).float() * 2 - 1
         return p
 
     pk, pv = side(fmt["key"]), side(fmt["value"])
@@ -113,7 +125,11 @@ FORMATS = {
         value=dict(format="nuq", bits=4, axis="token", outlier_fraction=0.05), rope_kind="yarn"),
     "fp16/nuq4-token post-rope": dict(key=dict(format="fp16", bits=16, axis="tensor"),
                                       value=dict(format="nuq", bits=4, axis="token"), rope="post"),
+    "nuq3-channel+outliers/uniform2-token rotated clipped": dict(
+        key=dict(format="nuq", bits=3, axis="channel", outlier_fraction=0.05),
+        value=dict(format="uniform", bits=2, axis="token", rotation="hadamard", clip="mse")),
 }
+ROTATED = FORMATS["nuq3-channel+outliers/uniform2-token rotated clipped"]
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -155,6 +171,40 @@ def test_planted_faults_fail_the_comparison(fault):
     else:
         bad = replace(inp, k_block=PagedBlock(inp.k_block.pages[:-1]), v_block=PagedBlock(inp.v_block.pages[:-1]))
     assert not compare(cpu_attention.decode_attention(bad), ref)["ok"], fault
+
+
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_rotated_values_in_blocks_of_8(chunk):
+    """head_dim 24: the rotation works on blocks of b = 8 channels (b the largest power of two dividing D), so the
+    un-rotation matrix is block-diagonal; signs of the policy's own."""
+    inp = _synthetic(ROTATED | {"signs": 5}, d=24)
+    assert inp.value_policy.rotation_signs.shape == (8,)
+    res = compare(cpu_attention.decode_attention(inp, chunk=chunk), reference.decode_attention(inp))
+    assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
+
+
+@pytest.mark.parametrize("fault", ["no un-rotation", "the seeded signs", "fp16 rows un-rotated too"])
+def test_rotated_values_planted_faults_fail(monkeypatch, fault):
+    """Rotated values under signs that are not the seeded ones: the kernel equals the oracle; a kernel that forgets
+    to un-rotate the encoded rows' sum, un-rotates with the seeded signs instead of the policy's, or un-rotates the
+    fp16 rows too (one value sum, un-rotated whole) fails it."""
+    from exporters.rotation import rht_signs, unrotation_matrix
+
+    inp = _synthetic(ROTATED | {"signs": 3})
+    signs = inp.value_policy.rotation_signs
+    assert signs is not None and not torch.equal(signs, rht_signs(16))
+    ref = reference.decode_attention(inp)
+    assert compare(cpu_attention.decode_attention(inp), ref)["ok"]
+    if fault == "no un-rotation":
+        monkeypatch.setattr(cpu_attention, "value_unrotation", lambda p, d, device: None)
+        out = cpu_attention.decode_attention(inp)
+    elif fault == "the seeded signs":
+        monkeypatch.setattr(cpu_attention, "value_unrotation", lambda p, d, device: unrotation_matrix(d))
+        out = cpu_attention.decode_attention(inp)
+    else:
+        monkeypatch.setattr(cpu_attention, "value_unrotation", lambda p, d, device: None)
+        out = cpu_attention.decode_attention(inp) @ unrotation_matrix(16, signs)
+    assert not compare(out, ref)["ok"], fault
 
 
 def test_the_cpu_kernel_passes_the_runtime_check(tiny, calib):
@@ -267,6 +317,12 @@ def test_the_encoder_refuses_what_it_does_not_take():
                                                      fp8_scale=torch.tensor(0.01)), 0) is None
     assert cpu_attention.encode_rows(x, TensorPolicy(format="uniform", bits=4, axis="token", rotation="hadamard"),
                                      0) is None
+    # a clip alone too: the encoder does not search a range (it once took such a policy and stored unclipped codes)
+    clipped = TensorPolicy(format="uniform", bits=4, axis="token", clip="mse")
+    assert cpu_attention.encode_rows(x, clipped, 0) is None
+    with pytest.raises(InputError, match="clip mse"):
+        cpu_attention.encode_into(x[:, :, :1], clipped, 0, None, 0, None, None, None, None, 0,
+                                  torch.zeros(1, dtype=torch.int16))
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.02, 0.05, 0.1])

@@ -107,6 +107,61 @@ def test_every_value_format_matches_the_oracle(name):
     assert_matches(make_inputs(FORMATS["uniform4-channel-g8"], FORMATS[name], key_rope="post"))
 
 
+# rotated, clipped values (value side only: a key is scored, not summed, and is never served rotated), kept out of
+# FORMATS, whose every entry test_every_key_format_matches_the_oracle serves as keys
+ROTATED = TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard", clip="mse")
+
+
+def _signs(b: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2, (b,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+
+
+@pytest.mark.parametrize("d", [16, 64])
+def test_rotated_values_match_the_oracle(d):
+    """Encoded value rows stored rotated, fp16 rows not: the kernel sums the two apart and un-rotates the encoded
+    part once; one split and several (the fp16 rows' item first), and the tl.dot path at head_dim 64."""
+    inp = make_inputs(FORMATS["nuq3-channel-5pct"], ROTATED, d=d, n_q=40)
+    for kw in ({"n_splits": 1, "block_t": 16}, {"n_splits": 3, "block_t": 16}):
+        assert_matches(inp, **kw)
+
+
+def test_rotated_values_only_fp16_rows_and_only_encoded_rows():
+    assert_matches(make_inputs(FORMATS["uniform4-channel-g8"], ROTATED, key_rope="post", n_q=0, n_sink=3, n_rec=7))
+    assert_matches(make_inputs(FORMATS["uniform4-channel-g8"], ROTATED, key_rope="post", n_sink=0, n_rec=0, start=0))
+
+
+def test_rotated_values_read_the_policys_signs():
+    """Signs that are not the seeded ones (every +1, and a random draw): the kernel equals the oracle, and the same
+    stored bytes read with the seeded signs (a kernel that ignored the policy's) do not."""
+    from runtime_check.check import compare
+
+    for signs in (torch.ones(16), _signs(16, 7)):
+        inp = make_inputs(FORMATS["uniform4-channel-g8"], replace(ROTATED, rotation_signs=signs), key_rope="post")
+        assert_matches(inp)
+        seeded = replace(inp, value_policy=replace(inp.value_policy, rotation_signs=None))
+        assert not compare(decode_attention(seeded), reference.decode_attention(inp))["ok"]
+
+
+@pytest.mark.parametrize("fault", ["no un-rotation", "fp16 rows un-rotated too"])
+def test_rotated_values_planted_faults_fail(monkeypatch, fault):
+    """The oracle catches a kernel that forgets to un-rotate the encoded rows' sum, and one that un-rotates the
+    fp16 rows as well (a single value sum, un-rotated whole)."""
+    from runtime_check.check import compare
+    from serving import triton_attention as ta
+
+    inp = make_inputs(FORMATS["uniform4-channel-g8"], ROTATED, key_rope="post")
+    ref = reference.decode_attention(inp)
+    assert compare(decode_attention(inp), ref)["ok"]
+    if fault == "no un-rotation":
+        monkeypatch.setattr(ta, "value_unrotation", lambda p, d, device: None)
+        out = decode_attention(inp)
+    else:
+        m = ta.value_unrotation(inp.value_policy, inp.head_dim, torch.device("cpu"))
+        monkeypatch.setattr(ta, "value_unrotation", lambda p, d, device: None)
+        out = decode_attention(inp) @ m
+    assert not compare(out, ref)["ok"], fault
+
+
 @pytest.mark.parametrize("kind", ["llama3", "yarn"])
 def test_scaled_rope_is_the_models(kind):
     """inv_freq and attention_scaling come from the rotary module: Llama-3 and YaRN scaling are honoured."""
@@ -306,6 +361,12 @@ def test_the_merge_steps_over_the_items_in_blocks():
     pl = torch.rand(rows, n, generator=g) + 0.5
     pm[0, 3], pl[0, 3], po[0, 3] = -1.0e30, 0.0, 0.0          # an item with no rows, as the kernel writes it
     out = torch.empty(rows, d)
-    ta._combine_kernel[(rows,)](po, pm, pl, out, n, S_BLOCK=2, D=d)
+    ta._combine_kernel[(rows,)](po, pm, pl, out, out, n, S_BLOCK=2, D=d, SPLIT=0)
     w = torch.exp2(pm - pm.amax(1, keepdim=True))
-    torch.testing.assert_close(out, (w[..., None] * po).sum(1) / (w * pl).sum(1, keepdim=True))
+    total = (w * pl).sum(1, keepdim=True)
+    torch.testing.assert_close(out, (w[..., None] * po).sum(1) / total)
+    # SPLIT: item 0 (the fp16 rows alone) summed apart from the others, over the same sum
+    enc, fp = torch.empty(rows, d), torch.empty(rows, d)
+    ta._combine_kernel[(rows,)](po, pm, pl, enc, fp, n, S_BLOCK=2, D=d, SPLIT=1)
+    torch.testing.assert_close(fp, w[:, 0, None] * po[:, 0] / total)
+    torch.testing.assert_close(enc, (w[:, 1:, None] * po[:, 1:]).sum(1) / total)
