@@ -3,8 +3,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from exporters.codec import CachePolicy, CodecError, TensorPolicy, decode, fake_quant, static_bits
-from exporters.layout import PAGE, PagedBlock, join, load, pages_of
+from exporters.codec import CachePolicy, CodecError, TensorPolicy, decode, encode, fake_quant, static_bits
+from exporters.layout import PAGE, PagedBlock, join, load, pages_of, store
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
 from serving.blockwise import generate
@@ -20,6 +20,13 @@ def kvquant_policy(n_layers, h, d, residual=0, bits=4):
                      zero=(upper + lower) / 2, range=(upper - lower) / 2, lower=lower, upper=upper)
     v = TensorPolicy(format="nuq", bits=bits, axis="token", outlier_fraction=0.01, codebook=book)
     return CachePolicy("kvq", [(k, v)] * n_layers, key_rope="pre", n_sink=1, residual=residual)
+
+
+def rotated_values(d: int, seed: int = 4) -> TensorPolicy:
+    """Values rotated and clipped (the exported kind), under signs of their own (not the seeded rht_signs)."""
+    signs = torch.randint(0, 2, (d & -d,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard", clip="mse",
+                        rotation_signs=signs)
 
 
 def test_fp16_artifact_cache_generates_like_the_model(tiny):
@@ -72,6 +79,57 @@ def test_measured_bytes_follow_the_ledger(tiny):
                 for layer in cache.layers]
         predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=outl)
         assert measured == pytest.approx(predicted, rel=1e-9), residual
+
+
+def test_rotated_values_store_the_codecs_bytes_and_follow_the_ledger(tiny):
+    """Rotated, clipped values: every flushed value row is stored as the codec encodes its fp16 copy (rotation
+    with the policy's signs, then the clip; the CPU encoder takes neither, so the codec runs); the sink and
+    residual rows stay as given (un-rotated fp16); bytes held == the ledger, the signs counted once per layer."""
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    pk = kvquant_policy(spec.n_layers, h, d).layers[0][0]
+    pv = rotated_values(d)
+    policy = CachePolicy("rotclipv", [(pk, pv)] * spec.n_layers, key_rope="pre", n_sink=2, residual=5)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, h, 40, d, generator=g), torch.randn(1, h, 40, d, generator=g)
+    steps = [(torch.randn(1, h, 1, d, generator=g), torch.randn(1, h, 1, d, generator=g)) for _ in range(6)]
+    cache = _filled(policy, tiny.model, k, v, steps)
+    v_all = torch.cat([v, *(sv for _, sv in steps)], 2).half()                      # [1, H, 46, D]
+    layer = cache.layers[0]
+    want = store(encode(v_all[:, :, 2:41].float(), pv), pv, 2)                       # rows 2..40: flushed
+    got = join(pages_of(layer.v_block))
+    assert got.start == 2 and got.shape[2] == 39 and set(got.tensors) == set(want.tensors)
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert torch.equal(layer.sink[1], v_all[:, :, :2]) and torch.equal(layer.recent[1], v_all[:, :, 41:])
+    _, v_served = layer.materialize()
+    assert torch.equal(v_served[:, :, 2:41], decode(load(want, pv), pv))           # decoded rows un-rotated
+    k_frac = layer.k_block.tensors["outlier_value"].numel() / (h * d * 39)   # every layer was fed the same rows
+    predicted = predict_bytes(policy, 46, h, d, expected=[(k_frac, None)] * spec.n_layers)
+    assert cache.nbytes() == pytest.approx(predicted, rel=1e-9)
+    assert static_bits(pv) == 32 * (d & -d)
+    assert cache.accounting()["static"] == spec.n_layers * (static_bits(pk) + static_bits(pv)) // 8
+
+
+@pytest.mark.parametrize("side, p, field", [
+    ("keys", TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard"), "rotation"),
+    ("keys", TensorPolicy(format="uniform", bits=2, axis="token", clip="mse"), "clip"),
+    ("values", TensorPolicy(format="nuq", bits=2, axis="token", rotation="hadamard",
+                            codebook=torch.linspace(-1, 1, 4)), "rotation"),
+    ("values", TensorPolicy(format="nuq", bits=2, axis="token", clip="mse", codebook=torch.linspace(-1, 1, 4)),
+     "clip"),
+    ("values", TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard", outlier_fraction=0.01),
+     "rotation"),
+])
+def test_the_cache_refuses_rotations_and_clips_it_does_not_serve(side, p, field):
+    """A rotation or clip is served on uniform per-token values only (a rotation without sparse outliers): key
+    rotation, the nuq variants and a rotation with outliers are refused by name before any model is read."""
+    plain = TensorPolicy()
+    layer = (p, plain) if side == "keys" else (plain, p)
+    policy = CachePolicy("rotated", [(plain, plain), layer])
+    with pytest.raises(CodecError, match=rf"ArtifactCache: layer 1 {side}\.{field}: {field} \w+ is evaluation-only "
+                                         rf"on {side} of format {p.format}"):
+        ArtifactCache(policy, model=None)
 
 
 def test_refusals(tiny):
@@ -134,11 +192,13 @@ def _policies(spec, which):
         "int3-token-outliers": CachePolicy("int3", [(TensorPolicy(format="uniform", bits=3, axis="token",
                                                                   outlier_fraction=0.05),
                                                      TensorPolicy())] * spec.n_layers, n_sink=1, residual=2),
+        "rotclipv": CachePolicy("rotclipv", [(kvquant_policy(1, h, d).layers[0][0], rotated_values(d))]
+                                * spec.n_layers, key_rope="pre", n_sink=2, residual=3),
     }[which]
 
 
 @pytest.mark.parametrize("page", [PAGE, 5])
-@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head"])
+@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head", "rotclipv"])
 def test_reorder_moves_every_stored_row_with_its_sequence(tiny, which, page):
     """reorder_cache(idx) (beam search) == the cache that was fed the batch x[idx]: codes, scales, zero-points,
     sparse outliers, fp8 bytes, fp16 sink and residual rows all follow their sequence, and the next updates
@@ -229,7 +289,7 @@ def test_the_cache_refuses_evaluation_only_formats(p):
         ArtifactCache(policy, model=None)
 
 
-@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head", "int3-token-outliers"])
+@pytest.mark.parametrize("which", ["kvquant-outliers", "kivi-groups", "fp8-head", "int3-token-outliers", "rotclipv"])
 def test_pages_hold_the_bytes_of_one_block(tiny, which):
     """Rows stored in pages of 8 (prefill and decode steps crossing page boundaries) are, joined, byte for byte
     the one block of a cache whose page holds everything; each page is the block `store` gives for its rows
