@@ -114,15 +114,21 @@ def test_a_refused_run_leaves_no_run_folder_and_no_mlflow_run(tmp_path, args, me
 
 def test_a_misspelled_recipe_is_answered_with_exportable_recipes_first(tmp_path):
     """The nearest names offered for quant= are recipes a run can export; the evaluation-only ones near the word
-    are named apart, and none of vLLM's or transformers' own caches is listed as one to export."""
+    are named apart, and none of vLLM's or transformers' own caches is listed as one to export. Of the rotated
+    recipes only the rotated, clipped values (+rotclipv) export; key and nuq rotations (+rot, +rotk, +rotv) do not."""
     out = _run(["run", "quant=kvquant-4b+rot+sink16"], tmp_path)
     assert out.returncode == EXIT_USER
     message = out.stderr.strip().splitlines()[-1]
+
+    def evaluation_only_rotation(name):
+        return "+rot" in name.replace("+rotclipv", "")
+
     offered = message.split("did you mean ")[1].split("?")[0].split(" or ")
-    assert offered and all("+rot" not in name for name in offered), message
+    assert offered and not any(map(evaluation_only_rotation, offered)), message
+    assert "kvquant-4b+rot" in message.split("near but evaluation-only")[1].split(")")[0], message
     exported = message.split("recipes a run exports: ")[1].split(", ")
-    assert "kvquant-4b-1pct" in exported
-    assert not [n for n in exported if n.startswith(("vllm-", "hf-")) or "+rot" in n], exported
+    assert "kvquant-4b-1pct" in exported and "kvquant-2b+sink16+recent32+rotclipv" in exported
+    assert not [n for n in exported if n.startswith(("vllm-", "hf-")) or evaluation_only_rotation(n)], exported
 
 
 @pytest.mark.parametrize("command", ["run", "check", "show", "export-vllm", "recommend"])

@@ -62,12 +62,15 @@ def test_table_lists_every_recipe():
 def _served_policy(tiny, calib, name: str) -> CachePolicy:
     """A recipe's policy on the tiny model, shrunk to its 48-token windows: KIVI's group and residual; "value-groups"
     is int4-token with per-channel VALUE groups of 8 (validate_recipe takes them; a residual of 4 is no multiple
-    of them); the prefix recipe gets a prefix of 3 tokens, longer than its one sink row."""
+    of them); the prefix recipe gets a prefix of 3 tokens, longer than its one sink row; the long-context recipes
+    2 sinks and 4 recent rows."""
     from stages import recipe
 
     q = load_recipe("int4-token" if name == "value-groups" else name)
     if q.key.format == "uniform" and q.key.axis == "channel":  # KIVI: a group and a residual that fit 48 tokens
         q.key.group_size, q.residual = 8, 16
+    if q.n_sink + q.residual > 24:  # 16 sinks + 32 recent rows: most of 48 tokens encoded instead
+        q.n_sink, q.residual = 2, 4
     if name == "value-groups":
         q.name, q.value.axis, q.value.group_size, q.residual, q.n_sink = name, "channel", 8, 4, 1
         recipe.validate_recipe(q)
@@ -78,7 +81,8 @@ def _served_policy(tiny, calib, name: str) -> CachePolicy:
 
 
 @pytest.mark.parametrize("recipe_name", ["kvquant-4b-1pct", "kivi-2", "int4-token", "fp8-e4m3",
-                                         "kvquant-3b-1pct+smooth", "value-groups", "kvquant-3b-1pct+prefix"])
+                                         "kvquant-3b-1pct+smooth", "value-groups", "kvquant-3b-1pct+prefix",
+                                         "kvquant-2b+sink16+recent32+rotclipv"])
 def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib, recipe_name):
     """The logits the evaluation computes for a window equal those of decoding the same tokens one at a time
     through serving/cache.py under the same policy (sink rows in fp16, every other row through the codec
@@ -98,6 +102,31 @@ def test_evaluation_is_what_the_serving_cache_computes(tiny, tiny_windows, calib
         assert (ours - served).abs().max() <= 2e-4, (recipe_name, float((ours - served).abs().max()))
     if policy.prefix_len:  # the prefix's rows stay in fp16: they are the layer's first sink rows
         assert cache.layers[0].sink[0].shape[2] == policy.prefix_len == 3
+
+
+def test_evaluation_is_what_the_kernels_serve_for_rotated_values(tiny, tiny_windows, calib, monkeypatch):
+    """Rotated, clipped values (the evaluation reads sink and residual rows un-rotated, encodes the rest rotated):
+    decoding one token at a time through the block-wise cache, whose single-token steps go through the fused CPU
+    kernel (the encoded rows' value sum un-rotated apart), gives the evaluation's log-probs within 2e-4."""
+    from serving import blockwise, cpu_attention
+    from serving.cache import ArtifactCache
+
+    if not cpu_attention.available():
+        pytest.skip(f"the CPU kernel is not built: {cpu_attention.status()['reason']}")
+    policy = _served_policy(tiny, calib, "kvquant-2b+sink16+recent32+rotclipv")
+    assert policy.layers[0][1].rotation == "hadamard" and policy.layers[0][1].rotation_signs is not None
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda inp, **kw: calls.append(1) or real(inp, **kw))
+    ids = tiny_windows.eval[:1]
+    with torch.no_grad():
+        ours = evaluate.policy_logprobs(tiny.model, ids, policy)
+        cache = ArtifactCache(policy, tiny.model, attention="blockwise")
+        with blockwise.serving(tiny.model, cache):
+            served = torch.cat([torch.log_softmax(tiny.model(ids[:, i : i + 1], cache=cache).logits[0].float(), -1)
+                                for i in range(ids.shape[1])])
+    assert len(calls) == ids.shape[1] * tiny.spec.n_layers
+    assert (ours - served).abs().max() <= 2e-4, float((ours - served).abs().max())
 
 
 def test_the_outlier_fraction_counts_only_the_layers_that_store_outliers(tiny, tiny_windows, calib, monkeypatch):
