@@ -82,7 +82,7 @@ from exporters.checksums import sha256_bytes
 from exporters.codec import FP8, decode, encode
 from exporters.errors import InputError
 
-RECIPES = ("kvquant-3b-1pct+smooth+prefix", "kivi-2", "fp8-e4m3")
+RECIPES = ("kvquant-3b-1pct+smooth+prefix", "kivi-2", "fp8-e4m3", "kvquant-2b+sink16+recent32+rotclipv")
 MODES = ("manifest_bytes", "tensor_bytes", "json_unsigned", "json_resigned", "tensor_values_resigned",
          "shape_lies_resigned", "files")
 WEIGHTED_MODES = MODES + ("json_resigned",) * 2  # a third of the draws: the edits only cross-checks can refuse
@@ -102,12 +102,14 @@ NAMES = ["x", "expected_fraction", "fp8_dtype", "zero_point", "error", "ids", "p
 NONFINITE = ("nan", "+inf", "-inf")
 ROLE_POISONS = {"range": ("negative",), "lower": ("above_upper",), "upper": ("below_lower",),
                 "fp8_scale": ("zero", "negative", "above_max"), "smooth": ("zero", "negative"),
-                "prefix.k": ("beyond_fp16",), "prefix.v": ("beyond_fp16",)}
+                "prefix.k": ("beyond_fp16",), "prefix.v": ("beyond_fp16",),
+                "rotation_signs": ("zero", "half")}   # signs are exactly +1 or -1
 FP16_MAX = float(torch.finfo(torch.float16).max)
 # shape_lies_resigned: the model fields changed; per tensor role, the dimensions holding (layers, kv heads, channels)
 SHAPE_FIELDS = ("n_kv_heads", "head_dim", "n_layers", "n_q_heads", "rope_theta")
 ROLE_DIMS = {"zero": (None, 0, 1), "range": (None, 0, 1), "lower": (None, 0, 1), "upper": (None, 0, 1),
-             "fp8_scale": (None, 0, None), "smooth": (0, 1, 2), "prefix.k": (0, 1, 3), "prefix.v": (0, 1, 3)}
+             "fp8_scale": (None, 0, None), "smooth": (0, 1, 2), "prefix.k": (0, 1, 3), "prefix.v": (0, 1, 3),
+             "rotation_signs": (None, None, 0)}   # [b]: b = head_dim & -head_dim, the rotation's block
 # files: what replaces a file of the folder, and (a vLLM checkpoint's) record entries leaving it or naming a huge file
 FILE_KINDS = ("fifo", "dev_zero", "outside_link", "directory", "sparse", "empty")
 RECORD_KINDS = ("record_absolute", "record_dotdot", "record_sparse")
@@ -332,6 +334,8 @@ def poison_value(o: Original, tensors: dict[str, torch.Tensor], name: str, kind:
         return -(abs(x) + 0.5)
     if kind == "zero":
         return 0.0
+    if kind == "half":
+        return 0.5
     if kind == "above_max":   # twice the largest scale whose decoded values fit float16
         _, i, side, _ = name.split(".")
         return 2 * FP16_MAX / FP8[o.manifest["layers"][int(i)][side]["fp8_dtype"]][1]
@@ -375,8 +379,11 @@ def _resized(t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
 
 
 def _fitted(name: str, t: torch.Tensor, axis: int, n: int) -> torch.Tensor:
-    """Tensor `name` resized to n along its dimension `axis` (0 layers, 1 kv heads, 2 channels), if it has one."""
+    """Tensor `name` resized to n along its dimension `axis` (0 layers, 1 kv heads, 2 channels), if it has one
+    (rotation signs to the block of n channels)."""
     dims = ROLE_DIMS.get(tensor_role(name), (None, None, None))
+    if tensor_role(name) == "rotation_signs":
+        n = n & -n
     return t if t.dim() == 0 or dims[axis] is None else _resized(t, dims[axis], n)
 
 

@@ -24,7 +24,7 @@ from exporters.artifact import parse_artifact, tensor_file_metadata
 from exporters.native import load_artifact, update_manifest
 from serving.cache import ArtifactCache
 
-RECIPES = ["kvquant-3b-1pct+smooth+prefix", "kivi-2", "fp8-e4m3"]
+RECIPES = ["kvquant-3b-1pct+smooth+prefix", "kivi-2", "fp8-e4m3", "kvquant-2b+sink16+recent32+rotclipv"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def originals(tmp_path_factory, export_recipe, records, tiny):
         update_manifest(path, runtime_check=records["runtime_check"], gate=records["gate"])
         out.append(Original.of(recipe, (path / "manifest.json").read_bytes(), (path / mf.TENSOR_FILE).read_bytes(),
                                tiny.spec, tiny.model, vllm_checkpoint(path, tiny, here / "vllm")))
-    assert [o.checkpoint is not None for o in out] == [False, False, True]
+    assert [o.checkpoint is not None for o in out] == [False, False, True, False]
     return out
 
 
@@ -75,8 +75,9 @@ def test_the_new_kinds_cover_every_tensor_field_and_file(originals):
             assert {f"checkpoint {t}: {k}" for t in o.checkpoint_files for k in FILE_KINDS} <= whats
             assert {f"checkpoint {RECORD}: {k}" for k in RECORD_KINDS} <= whats
             assert {"model.safetensors", "config.json", "kvcalib/manifest.json", RECORD} <= set(o.checkpoint_files)
-    fp8, kvq = originals[2], originals[0]
+    fp8, kvq, rot = originals[2], originals[0], originals[3]
     assert {"fp8_scale"} == {tensor_role(n) for n in fp8.float_tensors}
+    assert {"codebook", "zero", "range", "rotation_signs"} == {tensor_role(n) for n in rot.float_tensors}
     assert {"codebook", "zero", "range", "lower", "upper", "smooth", "prefix.k", "prefix.v"} == \
         {tensor_role(n) for n in kvq.float_tensors}
 
@@ -115,5 +116,5 @@ def test_mutations_are_refused_or_harmless(originals, tmp_path):
         assert c["refused"] == sum(c.values()) > 30, (mode, c)
     by = tally.refused_by
     assert by["TensorValueError"] == tally.counts["tensor_values_resigned"]["refused"]
-    assert by["ArtifactCache: ModelMismatchError"] == by["strict: ModelMismatchError"] == 45
+    assert by["ArtifactCache: ModelMismatchError"] == by["strict: ModelMismatchError"] == 15 * len(RECIPES)
     assert by["FileKindError"] > 0 and by["FileSizeError"] > 0
