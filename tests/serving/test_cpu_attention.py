@@ -54,7 +54,7 @@ def test_the_cpu_kernel_equals_the_oracle(tiny, calib, name, chunk):
     boundaries inside pages and inside per-channel groups; 512: one item per page), a residual window of 3."""
     pol = _policy(tiny, calib, name)
     if name.endswith("+rotk"):  # the rotation is evaluation-only: the same keys without it
-        pol = replace(pol, layers=[(replace(k, rotation="none"), v) for k, v in pol.layers])
+        pol = replace(pol, layers=[(replace(k, rotation="none", rotation_signs=None), v) for k, v in pol.layers])
     pol = replace(pol, residual=3) if pol.residual == 0 else pol
     if name == ROTCLIPV:  # 16 sinks + 32 recent rows would leave none of the 45 tokens encoded
         pol = replace(pol, n_sink=2, residual=3)
