@@ -233,7 +233,10 @@ def validate_run(cfg: RunConfig) -> list[QuantConfig]:
     recipe.check_exportable_recipe(cfg.quant, "quant")
     if cfg.layer_policy.enabled:
         by_name = {q.name: q for q in recipes}
-        for i, name in enumerate(cfg.layer_policy.options):
+        # the mixed policy is exported (and served) with the run's artifact: its options must be formats the artifact
+        # takes; a run that exports nothing (export.enabled=false: an evaluation, e.g. bench.long_context's dev
+        # decisions) may weigh evaluation-only options too, as eval.recipes may name them
+        for i, name in enumerate(cfg.layer_policy.options if cfg.export.enabled else []):
             recipe.check_exportable_recipe(by_name[name], f"layer_policy.options[{i}] (recipe {name}): quant")
         if not cfg.eval.enabled:
             raise UserError("layer_policy.enabled=true needs eval.enabled=true (the mixed policy is evaluated "
