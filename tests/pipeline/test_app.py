@@ -40,11 +40,11 @@ def test_a_peer_format_as_a_layer_policy_option_is_refused():
 def test_an_evaluation_only_option_is_weighed_when_nothing_is_exported():
     """export.enabled=false: the mixed policy is only evaluated, so its options may be evaluation-only formats (as
     eval.recipes may); the same options with export on are refused by name."""
-    opts = ["kvquant-2b+sink16+recent32", "kvquant-2b+sink16+recent32+rotclipv"]
+    opts = ["kvquant-2b+sink16+recent32", "kvquant-2b+sink16+recent32+clipv"]   # the nuq clip: evaluation-only
     cfg = RunConfig(quant=load_recipe("kvquant-4b-1pct"), eval=EvalConfig(recipes=["fp16"]),
                     layer_policy=LayerPolicyConfig(enabled=True, options=opts))
-    with pytest.raises(CodecError, match=r"^layer_policy\.options\[1\] \(recipe kvquant-2b\+sink16\+recent32\+rotclipv\): "
-                                         r"quant\.value\.rotation: rotation hadamard is evaluation-only"):
+    with pytest.raises(CodecError, match=r"^layer_policy\.options\[1\] \(recipe kvquant-2b\+sink16\+recent32\+clipv\): "
+                                         r"quant\.value\.clip: clip mse is evaluation-only"):
         validate_run(cfg)
     cfg.export.enabled = False
     assert [q.name for q in validate_run(cfg)][-2:] == opts
