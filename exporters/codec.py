@@ -103,6 +103,7 @@ ROTATIONS = ("none", "hadamard")
 # error on that row (entries past the shrunk range saturate at the end codes)
 CLIPS = ("none", "mse")
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+CLIP_CHUNK_ELEMENTS = 1 << 18    # the search takes every ratio at once over at most this many row entries
 # Where the artifact, its kernels and the serving cache take a rotation or a clip (export_refusal); everywhere
 # else both are evaluation-only. Values only: the attention output is a weighted sum of values, so a kernel
 # un-rotates it once (exporters/rotation.py unrotation_matrix), while a key is scored, not summed (a pre-RoPE key
@@ -359,28 +360,35 @@ def _token_codes(x: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, levels: in
     return q.round().clamp(0, levels).to(torch.uint8), scale, mn
 
 
-def _least_error_per_row(x: torch.Tensor, tries):
-    """tries: (reconstruction [..., D], parts) per clip ratio, in CLIP_RATIOS order -> the parts of the least squared
-    error per row (a tie goes to the earlier, wider ratio); each part broadcasts against [..., 1]."""
-    best = best_err = None
-    for recon, parts in tries:
-        err = (recon - x).square().sum(-1, keepdim=True)
-        if best is None:
-            best, best_err = parts, err
-            continue
-        better = err < best_err
-        best = tuple(torch.where(better, new, old) for new, old in zip(parts, best))
-        best_err = torch.minimum(err, best_err)
-    return best
+def _clip_ratios(like: torch.Tensor) -> torch.Tensor:
+    """CLIP_RATIOS as float32 [R, 1, ..., 1], broadcasting in front of a tensor of like's dims."""
+    return torch.tensor(CLIP_RATIOS, dtype=torch.float32, device=like.device).view(-1, *(1,) * like.dim())
+
+
+def _least_error_per_row(x: torch.Tensor, recon: torch.Tensor, parts: tuple[torch.Tensor, ...]):
+    """recon [R, ..., D]: x's reconstruction at each ratio of CLIP_RATIOS; parts [R, ..., 1 | D] -> each part at the
+    ratio of least squared error per row (a tie goes to the earlier, wider ratio: argmin's first minimum)."""
+    pick = (recon - x).square().sum(-1, keepdim=True).argmin(0, keepdim=True)      # [1, ..., 1]
+    return tuple(p.gather(0, pick.expand(1, *p.shape[1:])).squeeze(0) for p in parts)
+
+
+def _row_chunks(x: torch.Tensor, search) -> tuple[torch.Tensor, ...]:
+    """search over x's rows [N, D], CLIP_CHUNK_ELEMENTS at a time (its [R, N, D] temporaries stay bounded), ->
+    its outputs [N, 1 | D] each, shaped back to x's leading dims."""
+    rows = x.reshape(-1, x.shape[-1])
+    outs = [search(c) for c in rows.split(max(1, CLIP_CHUNK_ELEMENTS // x.shape[-1]))]
+    return tuple(torch.cat(o).reshape(*x.shape[:-1], o[0].shape[-1]) for o in zip(*outs))
 
 
 def _clipped_token_codes(x: torch.Tensor, levels: int):
     """clip "mse": per row, the ratio r of CLIP_RATIOS whose range [mid - r * half, mid + r * half] reconstructs
-    the row with the least squared error -> (codes, scale, zero)."""
-    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    mid, half = (mx + mn) / 2, (mx - mn) / 2
-    coded = (_token_codes(x, mid - r * half, mid + r * half, levels) for r in CLIP_RATIOS)
-    return _least_error_per_row(x, ((c.float() * s + z, (c, s, z)) for c, s, z in coded))
+    the row with the least squared error -> (codes, scale, zero). Every ratio at once, over a leading axis."""
+    def search(rows):
+        mn, mx = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
+        mid, half, r = (mx + mn) / 2, (mx - mn) / 2, _clip_ratios(rows)
+        codes, scale, zero = _token_codes(rows, mid - r * half, mid + r * half, levels)   # [R, N, D | 1]
+        return _least_error_per_row(rows, codes.float() * scale + zero, (codes, scale, zero))
+    return _row_chunks(x, search)
 
 
 def _uniform(x: torch.Tensor, p: TensorPolicy) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -506,16 +514,13 @@ def _nuq_codes(x: torch.Tensor, zero: torch.Tensor, rng: torch.Tensor, codebook:
 def _clipped_nuq_codes(x: torch.Tensor, codebook: torch.Tensor):
     """clip "mse" for nuq per token: per row, the ratio r of CLIP_RATIOS (range r * (max - min) / 2 about the
     midpoint) whose codebook reconstruction has the least squared error -> (codes, zero, range)."""
-    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    zero = _fp16((mx + mn) / 2)
-
-    def tries():
-        for r in CLIP_RATIOS:
-            rng = _fp16(r * (mx - mn) / 2)
-            codes = _nuq_codes(x, zero, rng, codebook)
-            yield codebook[codes.long()] * rng + zero, (codes, rng)
-
-    codes, rng = _least_error_per_row(x, tries())
+    def search(rows):
+        mn, mx = rows.amin(-1, keepdim=True), rows.amax(-1, keepdim=True)
+        zero = _fp16((mx + mn) / 2)
+        rng = _fp16(_clip_ratios(rows) * (mx - mn) / 2)                               # [R, N, 1]
+        codes = _nuq_codes(rows, zero, rng, codebook)
+        return (zero,) + _least_error_per_row(rows, codebook[codes.long()] * rng + zero, (codes, rng))
+    zero, codes, rng = _row_chunks(x, search)
     return codes, zero, rng
 
 

@@ -472,3 +472,21 @@ def test_the_registry_rows():
                                                                                          "nuq": "midpoint"}
     assert TensorPolicy(format="uniform", bits=2, axis="channel", group_size=4).is_grouped
     assert not TensorPolicy(format="nuq", bits=2, axis="channel").is_grouped
+
+
+def test_clip_search_in_chunks_of_rows_gives_the_bytes_of_one_pass(monkeypatch):
+    # the search takes every ratio at once over at most CLIP_CHUNK_ELEMENTS row entries: rows are independent,
+    # so one row per pass (the serving cache's decode step) and all rows in one pass store the same bytes
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 7, 16, generator=gen) * torch.rand(2, 3, 7, 1, generator=gen) * 4
+    x[1, 2, 4, 5] = 30.0
+    cb = torch.tensor([-1.0, -0.4, 0.2, 1.0])
+    policies = [TensorPolicy(format="uniform", bits=2, axis="token", clip="mse"),
+                TensorPolicy(format="uniform", bits=3, axis="token", clip="mse", rotation="hadamard"),
+                TensorPolicy(format="nuq", bits=2, axis="token", clip="mse", codebook=cb)]
+    whole = [encode(x, p) for p in policies]
+    monkeypatch.setattr(codec, "CLIP_CHUNK_ELEMENTS", 16)         # one row of 16 per pass
+    for p, w in zip(policies, whole):
+        e = encode(x, p)
+        for f in ("codes", "scale", "zero"):
+            assert getattr(e, f).shape == getattr(w, f).shape and torch.equal(getattr(e, f), getattr(w, f))
