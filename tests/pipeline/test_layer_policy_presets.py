@@ -26,7 +26,8 @@ def test_the_presets_compose_and_validate(name, budget, recent):
         cfg = to_typed(compose(config_name="config", overrides=[f"layer_policy={name}", "model=tiny"]))
     lp = cfg.layer_policy
     assert (lp.enabled, lp.budget, lp.seq_len) == (True, budget, 8192)
-    assert len(lp.options) == 8
+    assert len(lp.options) == (11 if name == "long-2.5b" else 8)   # long-2.5b: three with rotated, clipped values
+    assert any(n.endswith("+rotclipv") for n in lp.options) == (name == "long-2.5b")
     assert {f"kvquant-k3v2-1pct+sink16+recent{recent}", f"kvquant-2b+sink16+recent{recent}"} <= set(lp.options)
     # the full-context layers' options (long-3.5b-sliding: none with both sides at 2 bits) are some of the options
     assert set(lp.full_context_options) <= set(lp.options)
