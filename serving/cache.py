@@ -17,7 +17,11 @@ SmoothAttention: the cache stores K / lambda and multiplies back.
 Rotated values (value rotation "hadamard", clip "mse": exporters.codec.export_refusal): the encoded value rows hold
 the codec's bytes of the rotated, clipped row (the codec encodes them: the CPU kernel's encoder takes neither);
 sink, residual and prefix rows stay un-rotated fp16; `materialize` decodes (un-rotates) row by row, the kernels
-un-rotate their sum (serving/inputs.py).
+un-rotate their sum (serving/inputs.py). Value rows the codec encodes one token at a time would cost a decode step
+a dozen small torch operations per layer; per-token rows are encoded independently (a row's bytes do not depend on
+the rows beside it), so when the codec runs, it encodes with the flushed rows those the residual buffer holds after
+them and keeps their bytes for the flushes to come (`_values_by_codec`): the same bytes, one codec call per
+residual window of steps.
 
 Which rows are sink, encoded or residual at every step, when the residual buffer flushes (whole units of K's and
 V's groups) and what a sliding-window layer keeps are exporters/served_rows.py's (LayerRows), the definition the
@@ -50,10 +54,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from exporters.codec import CachePolicy, check_exportable, decode, encode, static_bits
-from exporters.layout import (PAGE, PagedBlock, PagedRows, calibrated_shape, check_row_entries, load, store,
-                              take_batch)
+from exporters.layout import (PAGE, PagedBlock, PagedRows, StoredBlock, calibrated_shape, check_row_entries, load,
+                              slice_rows, store, take_batch)
 from exporters.rope import apply_rope, invert_rope, rotary_tables
-from exporters.served_rows import layer_rows
+from exporters.served_rows import layer_rows, scale_group
 from serving import cpu_attention
 from serving.inputs import DecodeInputs
 from stages.base import InputError
@@ -215,8 +219,10 @@ class ArtifactLayer(CacheLayerMixin):
                 + self.k_rows.nbytes + self.v_rows.nbytes)
 
     def reserved_bytes(self) -> int:
-        """Page capacity allocated but holding no row yet (not part of nbytes)."""
-        return self.k_rows.reserved_bytes() + self.v_rows.reserved_bytes()
+        """Page capacity allocated but holding no row yet, and the bytes of value rows encoded ahead of their
+        flush (_values_by_codec: at most the residual buffer's rows; not part of nbytes)."""
+        ahead = 0 if self._v_ahead is None else self._v_ahead.nbytes
+        return self.k_rows.reserved_bytes() + self.v_rows.reserved_bytes() + ahead
 
     # -- the cache ABI ----------------------------------------------------------------------------------------
     def _lambda(self) -> torch.Tensor | None:
@@ -224,10 +230,11 @@ class ArtifactLayer(CacheLayerMixin):
             return None
         return self.policy.smooth[self.layer].float().to(self.device)[None, :, None, :]
 
-    def _encode_rows(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def _encode_rows(self, k: torch.Tensor, v: torch.Tensor, start: int, v_after: torch.Tensor | None = None) -> None:
         """k post-RoPE, v: [B, H, n, D] rows at positions start..start+n-1 -> the stored pages, encoded a page's
         room at a time (every format encodes rows, or whole per-channel groups, independently: the bytes are
-        those of encoding all n at once)."""
+        those of encoding all n at once). v_after: the value rows the residual buffer holds after these
+        (positions start+n..), which the codec may encode ahead (_values_by_codec)."""
         lam = self._lambda()
         pre = self.policy.key_rope == "pre"
         n, a = k.shape[2], 0
@@ -251,10 +258,30 @@ class ArtifactLayer(CacheLayerMixin):
                     kp = kp / lam
                 kb = store(encode(kp, self.pk, f"layer {self.layer} keys"), self.pk, start + a)
             if vb is None:
-                vb = store(encode(v[:, :, a:b].float(), self.pv, f"layer {self.layer} values"), self.pv, start + a)
+                vb = self._values_by_codec(v, a, b, start, v_after)
             self.k_rows.write(kb)
             self.v_rows.write(vb)
             a = b
+
+    def _values_by_codec(self, v: torch.Tensor, a: int, b: int, start: int, v_after: torch.Tensor | None) -> StoredBlock:
+        """The stored bytes of value rows [a, b) of v (positions start + a..) by the codec. Rows of a per-token
+        format are encoded independently, so the rows after them -- the rest of v and v_after, already in the
+        residual buffer -- are encoded in the same call and their bytes kept (`_v_ahead`, a block by position)
+        for the flushes to come; a flush they cover takes its rows from there. The bytes are those of encoding
+        [a, b) alone (tests/serving/test_cache.py); a batch edit or reset drops what was kept."""
+        p0, n = start + a, b - a
+        ahead = self._v_ahead
+        if ahead is None or not ahead.start <= p0 <= p0 + n <= ahead.start + ahead.shape[2]:
+            rows = v[:, :, a:]
+            if scale_group(self.pv) == 1 and v_after is not None and v_after.shape[2]:
+                rows = torch.cat([rows, v_after], 2)
+            else:
+                rows = rows[:, :, :n]
+            ahead = store(encode(rows.float(), self.pv, f"layer {self.layer} values"), self.pv, p0)
+        off = p0 - ahead.start
+        rest = ahead.shape[2] - off - n
+        self._v_ahead = slice_rows(ahead, off + n, off + n + rest, self.pv) if rest else None
+        return slice_rows(ahead, off, off + n, self.pv)
 
     def _flush(self) -> None:
         """Encode what the flush rule takes out of the residual buffer (served_rows.LayerRows.flush: whole units
@@ -263,7 +290,7 @@ class ArtifactLayer(CacheLayerMixin):
         n = k.shape[2]
         n_out = self.rows.flush(n)
         if n_out > 0:
-            self._encode_rows(k[:, :, :n_out], v[:, :, :n_out], self.cumulative_length - n)
+            self._encode_rows(k[:, :, :n_out], v[:, :, :n_out], self.cumulative_length - n, v_after=v[:, :, n_out:])
         self.recent = tuple(_own(x[:, :, n_out:]) for x in (k, v))
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -311,6 +338,7 @@ class ArtifactLayer(CacheLayerMixin):
         self.start = 0
         self.sink = self.recent = None
         self.k_rows, self.v_rows = PagedRows(self.pk, self.page), PagedRows(self.pv, self.page)
+        self._v_ahead = None      # value rows the codec encoded ahead of their flush (_values_by_codec)
         self.is_initialized = False
 
     def _batch(self) -> int:
@@ -328,6 +356,7 @@ class ArtifactLayer(CacheLayerMixin):
                                   for pair in (self.sink, self.recent))
         self.k_rows.select(idx)
         self.v_rows.select(idx)
+        self._v_ahead = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence i continues beam_idx[i] (index_select on the batch, as transformers' layers)."""

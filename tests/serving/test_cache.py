@@ -111,6 +111,51 @@ def test_rotated_values_store_the_codecs_bytes_and_follow_the_ledger(tiny):
     assert cache.accounting()["static"] == spec.n_layers * (static_bits(pk) + static_bits(pv)) // 8
 
 
+def test_rotated_values_are_encoded_ahead_in_one_codec_call_per_window_with_the_same_bytes(tiny, monkeypatch):
+    """The codec encodes a rotated layer's flushed value rows together with the residual rows after them and keeps
+    those bytes for the next flushes: 12 single-token steps with a residual window of 5 call it 3 times per layer,
+    not 12, and every stored value page is byte for byte the codec's encoding of its rows alone; a batch edit drops
+    what was encoded ahead (the steps after it store the bytes of the reordered rows)."""
+    import serving.cache as cache_module
+
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    pv = rotated_values(d)
+    policy = CachePolicy("rotclipv", [(kvquant_policy(1, h, d).layers[0][0], pv)] * spec.n_layers, key_rope="pre",
+                         n_sink=2, residual=5)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, h, 20, d, generator=g), torch.randn(2, h, 20, d, generator=g)
+    steps = [(torch.randn(2, h, 1, d, generator=g), torch.randn(2, h, 1, d, generator=g)) for _ in range(12)]
+    calls = []
+    real = cache_module.encode
+    monkeypatch.setattr(cache_module, "encode", lambda x, p, where="tensor": calls.append((where, x.shape[2]))
+                        or real(x, p, where))
+    cache = ArtifactCache(policy, tiny.model, page=8)
+    layer = cache.layers[0]
+    layer.update(k, v)
+    for sk, sv in steps:
+        layer.update(sk, sv)
+    value_calls = [n for where, n in calls if where.endswith("values")]
+    assert value_calls == [18, 6, 6]            # the prefill's 13 flushed rows + 5 ahead; then 1 + 5 ahead twice
+    v_all = torch.cat([v, *(sv for _, sv in steps)], 2).half()
+    flushed = layer.v_block.shape[2]
+    want = store(encode(v_all[:, :, 2:2 + flushed].float(), pv), pv, 2)
+    got = join(pages_of(layer.v_block))
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    assert layer.reserved_bytes() >= layer._v_ahead.nbytes > 0
+    idx = torch.tensor([1, 1])
+    layer.batch_select_indices(idx)
+    assert layer._v_ahead is None
+    for sk, sv in steps[:3]:
+        layer.update(sk[idx], sv[idx])
+    v_new = torch.cat([v_all[idx], *(sv[idx].half() for _, sv in steps[:3])], 2)
+    got = join(pages_of(layer.v_block))
+    want = store(encode(v_new[:, :, 2:2 + got.shape[2]].float(), pv), pv, 2)
+    for name, t in want.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("side, p, field", [
     ("keys", TensorPolicy(format="uniform", bits=2, axis="token", rotation="hadamard"), "rotation"),
     ("keys", TensorPolicy(format="uniform", bits=2, axis="token", clip="mse"), "clip"),
