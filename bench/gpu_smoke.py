@@ -54,8 +54,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 CARRIED_TOKENIZER = ROOT / ".gpu-wheels" / "tokenizer"   # scripts/gpu-wheels.sh saves it there
 RECIPE = "kvquant-4b-1pct"
-# the second tiny run: rotated, clipped 2-bit values (the Triton kernel's second value sum, un-rotated once)
-ROTATED = ("tiny-rotclipv", "tiny", "kvquant-2b+sink16+recent32+rotclipv")
+# the second tiny run (its parts' label): rotated, clipped 2-bit values (the Triton kernel's second value sum,
+# un-rotated once)
+ROTATED_LABEL, ROTATED_RECIPE = "tiny-rotclipv", "kvquant-2b+sink16+recent32+rotclipv"
 EVAL_RECIPES = ["fp16", "fp8-e4m3", "kivi-4"]
 JSON_NAME, LOG_NAME = "gpu_smoke.json", "gpu_smoke.log"
 VERSIONED = ("torch", "triton", "transformers", "accelerate", "tokenizers", "safetensors", "numpy", "scikit-learn",
@@ -86,7 +87,8 @@ GPU = Sizes(calib=(4, 1024), evaluate=(2, 1024), reservoir=4096, probe_lengths=[
                             "llama3-shape": [64, 1024, 8192]}, check_batches=[1, 2],
             shape_layers=4, kernel_contexts=[4096, 16384, 65536, 131072], kernel_batches=[1, 8],
             kernel_formats=["nuq-4", "nuq-2", "nuq-4-1pct", "fp8"], generate_prompt=8192, generate_new=32,
-            caps_s={"env": 60, "imports": 90, "pipeline:tiny": 90, "check:tiny": 60, "kernel": 120,
+            caps_s={"env": 60, "imports": 90, "pipeline:tiny": 90, "check:tiny": 60, "pipeline:tiny-rotclipv": 90,
+                    "check:tiny-rotclipv": 60, "kernel": 120,
                     "pipeline:llama3-shape": 150, "check:llama3-shape": 90, "generate": 90})
 DRY = Sizes(calib=(2, 64), evaluate=(1, 64), reservoir=128, probe_lengths=[128], buckets=[0, 32],
             check_contexts={"tiny": [48], "tiny-rotclipv": [112], "llama3-shape": [48]}, check_batches=[1],
@@ -569,8 +571,8 @@ def _peak(smoke: Smoke) -> int | None:
 
 
 PARTS = [Part("env", part_env), Part("imports", part_imports), pipeline_part("tiny"), check_part("tiny"),
-         pipeline_part(ROTATED[1], ROTATED[2], ROTATED[0]), check_part(ROTATED[0]), Part("kernel", part_kernel), pipeline_part("llama3-shape"), check_part("llama3-shape"),
-         Part("generate", part_generate)]
+         pipeline_part("tiny", ROTATED_RECIPE, ROTATED_LABEL), check_part(ROTATED_LABEL), Part("kernel", part_kernel),
+         pipeline_part("llama3-shape"), check_part("llama3-shape"), Part("generate", part_generate)]
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
