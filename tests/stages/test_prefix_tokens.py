@@ -162,7 +162,9 @@ def test_prefix_recipes_calibrate_on_the_rows_after_the_prefix(tiny):
     expect = torch.quantile(smoothed.flatten(1), 1 - 0.01 / 2, dim=0).view(smoothed.shape[1:])
     assert torch.allclose(scales.tensors["upper"], expect)
     rows = out["summary"]["evaluation"]["recipes"]
-    assert set(rows) == set(names) and rows["fp16+prefix"]["kl"] > 0
+    # the prefix's real context effect (1.8e-3 nats here), not the sign of float32 rounding (~1e-9): a prefix
+    # that changed nothing would give a KL of either sign, and `> 0` would pass or fail by the CPU
+    assert set(rows) == set(names) and rows["fp16+prefix"]["kl"] > 1e-4, rows["fp16+prefix"]["kl"]
 
 
 @pytest.mark.parametrize("override,pattern", [
