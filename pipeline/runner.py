@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import psutil
+import torch
 from safetensors.torch import load_file, save
 from tqdm import tqdm
 
@@ -95,8 +96,11 @@ def code_identity() -> str:
             versions[lib] = importlib.metadata.version(lib)
         except importlib.metadata.PackageNotFoundError:
             versions[lib] = None
+    # torch's intra-op thread count changes how its float32 reductions are split, so a figure's last bits (a KL
+    # measured at 1 and 2 threads: 9.353874702e-06 vs 9.353876976e-06): an entry computed at another count is
+    # another result -- and stages.evaluate.combine refuses parts whose references differ beyond 1e-9
     return sha256_json({"sources": {str(p.relative_to(root)): sha256_file(p) for p in files},
-                        "libraries": versions})
+                        "libraries": versions, "torch_threads": torch.get_num_threads()})
 
 
 def cache_key(stage: Bound, dep_keys: list[str], model_id: str, data_id: str, code_id: str = "") -> str:

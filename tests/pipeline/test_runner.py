@@ -107,6 +107,20 @@ def test_code_identity_covers_sources_and_library_versions(monkeypatch):
     assert code_identity() == before
 
 
+def test_code_identity_covers_the_thread_count():
+    """torch's float32 reductions split by thread count: a figure computed at another count is another result."""
+    import torch
+
+    n = torch.get_num_threads()
+    before = code_identity()
+    try:
+        torch.set_num_threads(n + 1)
+        assert code_identity() != before
+    finally:
+        torch.set_num_threads(n)
+    assert code_identity() == before
+
+
 def test_a_stage_and_its_store_are_run_under_the_entry_lock(tmp_path):
     seen = []
 
