@@ -9,6 +9,8 @@ sentences alone (exporters.rope's tables from theta, exporters.codec) is held ag
 (stages/evaluate.py) and what the serving cache stores and reads back (serving/cache.py, the fused CPU encoder where
 built), on every layer; and the other reading -- the key before RoPE, unrounded or rounded to fp16 -- is shown to
 store other codes, so the test can tell the two apart."""
+import json
+
 import pytest
 import torch
 
@@ -45,9 +47,8 @@ def setup(smollm2):
                                     zero=(hi + lo) / 2, range=(hi - lo) / 2, lower=lo, upper=hi),
                        TensorPolicy(format="uniform", bits=4, axis="token")))
     policy = CachePolicy("kvq-pre", layers, key_rope="pre", n_sink=SINK, residual=RESIDUAL)
-    c = model.config
-    cos, sin = rope_cos_sin(torch.arange(T), spec.head_dim, c.rope_parameters["rope_theta"] if hasattr(
-        c, "rope_parameters") and c.rope_parameters else c.rope_theta)
+    # the manifest's model.rope (exporters/manifest.py writes spec.rope_theta / rope_scaling), as a consumer reads it
+    cos, sin = rope_cos_sin(torch.arange(T), spec.head_dim, spec.rope_theta, json.loads(spec.rope_scaling))
     return model, spec, ids, policy, pre, (cos, sin)
 
 
