@@ -78,18 +78,48 @@ def predict(ckpt: Path, artifact, windows: torch.Tensor, log, seeds: list[int]) 
 
 
 def serving_greedy(model, policy, prompts: list[list[int]], new_tokens: int, log) -> list[list[int]]:
-    """The project's serving cache (ArtifactCache, block-wise attention, prefill from the stored rows), greedy."""
-    from serving.blockwise import generate
+    """The project's serving cache, greedy, the prompt given one token at a time (serving.blockwise.greedy_stepwise:
+    each position reads what the evaluation's step reads -- what the plugin serves a prompt as)."""
+    from serving.blockwise import greedy_stepwise
 
     out = []
     for p in prompts:
         t0 = time.perf_counter()
-        ids = torch.tensor([p])
-        seq, _ = generate(model, policy, ids, prefill="stored", max_new_tokens=new_tokens, do_sample=False,
-                          min_new_tokens=new_tokens)
-        out.append(seq[0, len(p):].tolist())
-        log(f"  kvcalib serving cache greedy, prompt {len(p)}: {time.perf_counter() - t0:.1f} s")
+        out.append(greedy_stepwise(model, policy, p, new_tokens))
+        log(f"  kvcalib serving cache greedy, prompt {len(p)} (one token at a time): {time.perf_counter() - t0:.1f} s")
     return out
+
+
+def passkey_cells(model, spec, tok, policy, lengths: list[int], depths: list[float], log) -> tuple[list[dict], dict]:
+    """The evaluation's passkey probes (stages/probes.py: teacher-forced, the argmax at every answer position) of
+    the artifact's policy on these lengths and depths -> (the prompts, {"LENGTH@DEPTH": 0|1} per policy)."""
+    from stages import probes
+
+    cfg = probes.ProbeConfig(lengths=lengths, depths=depths)
+    prompts = probes.make_prompts(tok, cfg)
+    t0 = time.perf_counter()
+    res = probes.fit(probes.Inputs(model, spec, prompts, [policy]), cfg)
+    log(f"  passkeys (stages/probes.py) at {lengths} x depths {depths}: {time.perf_counter() - t0:.1f} s")
+    return prompts, res.meta["cells"]
+
+
+def implied_bits(artifact, t: int) -> float:
+    """Bits per cached K / V element of the artifact at t tokens, as the ledger counts them (sink and recent rows,
+    scales, outliers at the rate measured on the evaluation text)."""
+    from exporters.ledger import expected_outliers, predict_bytes
+
+    m = artifact.manifest["model"]
+    nbytes = predict_bytes(artifact.policy, t, m["n_kv_heads"], m["head_dim"],
+                           expected=expected_outliers(artifact.manifest))
+    return nbytes * 8 / (len(artifact.policy.layers) * 2 * m["n_kv_heads"] * m["head_dim"] * t)
+
+
+def stats_padding(runs: dict, dtypes: list[str]) -> float:
+    return float(runs[f"packed-{dtypes[0]}"].get("plugin_stats", {}).get("padding_loss", 0.0))
+
+
+def ring_bytes(runs: dict, dtypes: list[str]) -> int:
+    return int(runs[f"packed-{dtypes[0]}"].get("plugin_stats", {}).get("window_ring_bytes", 0))
 
 
 def run(args, ckpt: Path, artifact, log) -> int:
@@ -110,7 +140,16 @@ def run(args, ckpt: Path, artifact, log) -> int:
     prompts = [ids[at:at + n].tolist() for n in lengths]
     decode_prompt = ids[at:at + args.decode_context].tolist()
     job = {"windows": windows.tolist(), "prompts": prompts, "max_new_tokens": args.new_tokens, "scales_only": False,
-           "decode": {"prompt": decode_prompt, "new_tokens": args.decode_tokens, "repeats": 2}}
+           "decode": {"prompt": decode_prompt, "new_tokens": args.decode_tokens, "repeats": 2,
+                      "batch": args.decode_batch}, "prefix_caching": True}
+    pk_lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
+    pk_depths = [float(x) for x in args.passkey_depths.split(",") if x]
+    pk_prompts = []
+    if pk_lengths:
+        from stages import probes
+        pk_prompts = probes.make_prompts(tok, probes.ProbeConfig(lengths=pk_lengths, depths=pk_depths))
+        job["passkeys"] = [{"prompt": p["ids"][0, :p["answer_from"]].tolist(),
+                            "answer": p["ids"][0, p["answer_from"]:].tolist()} for p in pk_prompts]
     dtypes = [d for d in args.dtypes.split(",") if d]
     payload: dict = {"checkpoint": str(ckpt), "recipe": artifact.manifest["recipe"], "kind": "packed",
                      "windows": args.windows, "seq_len": args.seq_len, "dtypes": dtypes,
@@ -124,8 +163,8 @@ def run(args, ckpt: Path, artifact, log) -> int:
             for kind, folder in (("auto", view), ("packed", ckpt)):
                 name = f"{kind}-{d}"
                 runs[name] = run_vllm(args.vllm_python, folder, {"name": name, "kv_cache_dtype": "auto", "dtype": d,
-                                                                 "kv_cache_memory_bytes": args.kv_bytes}, job, work,
-                                      log)
+                                                                 "kv_cache_memory_bytes": args.kv_bytes,
+                                                                 "max_num_seqs": args.max_num_seqs}, job, work, log)
     problems = check_held(runs[f"packed-{dtypes[0]}"].get("held", []), policy)
     payload["held_match"] = not problems
     if problems:
@@ -142,6 +181,12 @@ def run(args, ckpt: Path, artifact, log) -> int:
     seeds = [int(x) for x in args.perturb_seeds.split(",") if x]
     pred = predict(ckpt, artifact, windows, log, seeds)
     ours = serving_greedy(pred["model"], policy, prompts, args.new_tokens, log) if prompts else []
+    cells = {}
+    if pk_prompts:
+        from pipeline.model import model_spec
+        from exporters.checksums import sha256_file
+        spec = model_spec(artifact.manifest["model"]["name"], pred["model"], tok, sha256_file(ckpt / "config.json"))
+        _, cells = passkey_cells(pred["model"], spec, tok, policy, pk_lengths, pk_depths, log)
 
     n_tok = args.seq_len - 1
     ppl = lambda nll: math.exp(float(torch.as_tensor(nll, dtype=torch.float64).mean()) / n_tok)  # noqa: E731
@@ -195,6 +240,44 @@ def run(args, ckpt: Path, artifact, log) -> int:
                 f"{r['decode']['tokens_per_s']:>14.2f}{r['decode']['tokens_per_s'] / a['decode']['tokens_per_s']:>8.3f}"
                 f"{r['decode']['prefill_s']:>11.2f}")
 
+    bits = implied_bits(artifact, args.decode_context)
+    log(f"\nwhat the bits imply: {bits:.3f} bits per cached element at {args.decode_context} tokens (the ledger: sink "
+        f"and recent rows, scales, outliers as measured); vLLM's capacity against (model bits / {bits:.3f}) x auto's; "
+        f"capacity lost to padding every layer's slot to the largest: {stats_padding(runs, dtypes):.1%}; the recent "
+        f"window's rings: {ring_bytes(runs, dtypes) / 2**20:.1f} MiB (max_num_seqs {args.max_num_seqs}), taken from "
+        f"kv_cache_memory_bytes")
+    implied = {}
+    for d in dtypes:
+        model_bits = 32 if d == "float32" else 16
+        want = model_bits / bits * capacity[d]["auto"]
+        implied[d] = {"bits": bits, "implied_tokens": want, "ratio": capacity[d]["packed"] / want}
+        log(f"  {d:<9} packed {capacity[d]['packed']} tokens / implied {want:.0f} = {implied[d]['ratio']:.3f}  "
+            f"(target >= 0.9)")
+    if args.decode_batch > 1:
+        log(f"\ndecode of {args.decode_batch} requests together after {args.decode_context} tokens "
+            f"({args.decode_tokens} new each):")
+        for d in dtypes:
+            a, p = runs[f"auto-{d}"].get("decode_batch"), runs[f"packed-{d}"].get("decode_batch")
+            if a and p:
+                throughput[d]["batch"] = {"auto": a, "packed": p, "ratio": p["tokens_per_s"] / a["tokens_per_s"]}
+                log(f"  {d:<9} auto {a['tokens_per_s']:.2f} tok/s   packed {p['tokens_per_s']:.2f} tok/s   "
+                    f"x auto {throughput[d]['batch']['ratio']:.3f}  (target >= 1.0)")
+    passkeys = {}
+    if pk_prompts:
+        log(f"\npasskeys ({len(pk_prompts)} prompts at {pk_lengths} x depths {pk_depths}): greedy answer == the key")
+        ours_cells = cells[policy.name]
+        for d in dtypes:
+            got = {}
+            for pr, ans in zip(pk_prompts, runs[f"packed-{d}"]["passkeys"]):
+                want_ids = pr["ids"][0, pr["answer_from"]:].tolist()
+                got[f"{pr['length']}@{pr['depth']:g}"] = int(ans[:len(want_ids)] == want_ids)
+            auto = {f"{pr['length']}@{pr['depth']:g}": int(ans[:len(pr["ids"][0, pr["answer_from"]:])]
+                                                             == pr["ids"][0, pr["answer_from"]:].tolist())
+                    for pr, ans in zip(pk_prompts, runs[f"auto-{d}"]["passkeys"])}
+            passkeys[d] = {"plugin": got, "auto": auto, "evaluation": ours_cells, "equal": got == ours_cells}
+            log(f"  {d:<9} plugin {sum(got.values())}/{len(got)}   evaluation {sum(ours_cells.values())}/"
+                f"{len(ours_cells)}   vLLM auto {sum(auto.values())}/{len(auto)}   plugin == evaluation, cell by "
+                f"cell: {got == ours_cells}")
     agreement = []
     log(f"\ngreedy ({args.new_tokens} new tokens): first position where vLLM with the plugin differs from the "
         f"project's serving cache (float32) / from vLLM auto of the same dtype (None: identical)")
@@ -206,6 +289,11 @@ def run(args, ckpt: Path, artifact, log) -> int:
                               "serving_cache": ours[i]})
         log(f"  {d:<9} " + "  ".join(f"{a['prompt_len']}: {a['vs_serving_cache']} / {a['vs_auto']}"
                                      for a in agreement if a["dtype"] == d))
+        again = runs[f"packed-{d}"].get("greedy_again")
+        if again is not None:
+            on = "on" if runs[f"packed-{d}"].get("prefix_caching") else "off"
+            log(f"  {d:<9} the prompts served again (prefix caching asked for; the engine ran with it {on}): "
+                f"the same tokens: {again == runs[f'packed-{d}']['greedy']}")
     stats = {d: runs[f"packed-{d}"].get("plugin_stats", {}) for d in dtypes}
     for d in dtypes:
         over = stats[d].get("overflow", {})
@@ -213,6 +301,7 @@ def run(args, ckpt: Path, artifact, log) -> int:
             f"slot's capacity left clamped (layers {sorted(int(k) for k in over)[:12]}), "
             f"{stats[d].get('kernel_calls', 0)} kernel decodes, {stats[d].get('rows_calls', 0)} prefill chunks")
     verified = verify_at_end(ckpt, log, "config and artifact agree")
+    payload |= {"implied": implied, "passkeys": passkeys, "max_num_seqs": args.max_num_seqs}
     payload |= {"checkpoint_verified": verified, "rows": rows, "gap": gap, "predicted_ppl_per_seed": per_seed, "capacity": capacity,
                 "throughput": throughput, "agreement": agreement, "plugin_stats": stats, "layout": layout,
                 "load_s": {k: r["load_s"] for k, r in runs.items()},

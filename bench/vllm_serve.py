@@ -157,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scales-only", action="store_true", help="only load the checkpoint in vLLM and compare scales")
     packed = ap.add_argument_group("a packed checkpoint (kvquant recipes, the kvcalib vLLM plugin: bench/vllm_packed.py)")
     packed.add_argument("--kv-bytes", type=int, default=1 << 30, help="kv_cache_memory_bytes of every configuration")
-    packed.add_argument("--greedy-lengths", default="1024,4096,8000", help="prompt lengths of the greedy comparison")
+    packed.add_argument("--greedy-lengths", default="1500", help="prompt lengths of the greedy comparison")
     packed.add_argument("--decode-context", type=int, default=8000, help="prompt tokens before the decode timing")
     packed.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded for the decode timing")
     packed.add_argument("--perturb-seeds", default="0,1,2", help="the prediction's perturbation seeds (its chaos)")
+    packed.add_argument("--decode-batch", type=int, default=8, help="requests decoded together for the batch timing")
+    packed.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs in every configuration (the "
+                        "recent window's rings are sized by it)")
+    packed.add_argument("--passkey-lengths", default="2048,4096,8192", help="passkey prompt lengths ('' for none)")
+    packed.add_argument("--passkey-depths", default="0.1,0.5,0.9")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731

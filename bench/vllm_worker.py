@@ -4,9 +4,12 @@ standard library, so the kvcalib environment and vLLM's pins never meet.
 
     .venv-vllm/bin/python -m bench.vllm_worker --checkpoint DIR --job job.json --out result.json
 
-job.json: {"runs": [{"name", "kv_cache_dtype", "dtype"[, "kv_cache_memory_bytes"]}], "windows": [[ids...]...],
+job.json: {"runs": [{"name", "kv_cache_dtype", "dtype"[, "kv_cache_memory_bytes", "max_num_seqs",
+"max_num_batched_tokens" (smaller than a prompt: its prefill in chunks)]}], "windows": [[ids...]...],
 "prompts": [[ids...]...], "max_new_tokens": N, "scales_only": bool[, "decode": {"prompt", "new_tokens", "repeats"}]
-[, "prefix_caching": bool (the prompts' greedy run twice, the second from the prefix cache)]}. result.json, per run: the k/v scales every attention layer holds
+[, "prefix_caching": bool (the prompts' greedy run again, from the prefix cache), "again": N (that many more
+times: greedy_again a list of N)]
+[, "passkeys": [{"prompt", "answer"}] (greedy answers)] [decode's "batch": requests decoded together]}. result.json, per run: the k/v scales every attention layer holds
 (`_k_scale_float` / `_v_scale_float`: what vLLM's CPU attention reads), the summed NLL of each window from
 prompt logprobs (positions 1..T-1, as stages/evaluate.py scores a window), greedy continuations of each prompt,
 and the wall time of loading and of scoring.
@@ -104,11 +107,42 @@ def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     return best
 
 
+def decode_rate_batch(llm, prompt: list[int], new_tokens: int, batch: int) -> dict:
+    """Decode tokens per second of `batch` requests of `prompt` served together: the steps after every request has
+    its first token each decode one token per request; their wall time is the decode time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for r in range(batch):
+        engine.add_request(f"decode-batch-{r}", TokensPrompt(prompt_token_ids=prompt),
+                           SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True))
+    counts: dict = {}
+    decode_s, prefill_s, decoded = 0.0, 0.0, 0
+    while engine.has_unfinished_requests():
+        started = len(counts) == batch and all(c > 0 for c in counts.values())
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        before = sum(counts.values())
+        for o in outs or []:
+            if o.outputs:
+                counts[o.request_id] = len(o.outputs[0].token_ids)
+        if started:
+            decode_s += dt
+            decoded += sum(counts.values()) - before
+        else:
+            prefill_s += dt
+    return {"context": len(prompt), "batch": batch, "new_tokens": decoded, "prefill_s": prefill_s,
+            "decode_s": decode_s, "tokens_per_s": decoded / max(decode_s, 1e-9)}
+
+
 def run_one(checkpoint: str, run: dict, job: dict) -> dict:
     from vllm import LLM
 
     longest = max([len(w) for w in job.get("windows", [])] + [len(p) + job.get("max_new_tokens", 0)
-                                                             for p in job.get("prompts", [])] + [64])
+                                                             for p in job.get("prompts", [])]
+                  + [len(p["prompt"]) + len(p["answer"]) for p in job.get("passkeys", [])] + [64])
     decode = job.get("decode")
     if decode:
         longest = max(longest, len(decode["prompt"]) + decode["new_tokens"] + 1)
@@ -117,9 +151,12 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)   # (the legacy variable would override the argument)
         kw["kv_cache_memory_bytes"] = int(run["kv_cache_memory_bytes"])
     t0 = time.perf_counter()
+    if run.get("max_num_seqs"):             # vLLM wants max_num_batched_tokens >= max_num_seqs
+        kw["max_num_seqs"] = int(run["max_num_seqs"])
+    batched = int(run.get("max_num_batched_tokens") or max(2048, longest + 16))   # smaller: prefills in chunks
     llm = LLM(model=checkpoint, kv_cache_dtype=run["kv_cache_dtype"], dtype=run["dtype"], enforce_eager=True,
               max_model_len=longest + 16, enable_prefix_caching=bool(job.get("prefix_caching")), seed=0,
-              max_num_batched_tokens=max(2048, longest + 16), **kw)
+              max_num_batched_tokens=batched, **kw)
     out = {"name": run["name"], "kv_cache_dtype": run["kv_cache_dtype"], "dtype": run["dtype"],
            "load_s": time.perf_counter() - t0}
     cc = llm.llm_engine.vllm_config.cache_config
@@ -127,6 +164,8 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
     out["capacity_tokens"] = int(cc.num_gpu_blocks) * int(cc.block_size)
     out["block_size"] = int(cc.block_size)
     out["kv_cache_memory_bytes"] = cc.kv_cache_memory_bytes
+    out["prefix_caching"] = bool(cc.enable_prefix_caching)       # as the engine ran (the plugin may turn it off)
+    out["max_num_batched_tokens"] = batched
     out["scales"] = llm.apply_model(held_scales)[0]
     plugin = plugin_state()
     if plugin is not None:
@@ -138,10 +177,16 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
         t0 = time.perf_counter()
         out["greedy"] = greedy(llm, job["prompts"], job["max_new_tokens"])
         if job.get("prefix_caching"):   # the same prompts again: their full blocks now come from the prefix cache
-            out["greedy_again"] = greedy(llm, job["prompts"], job["max_new_tokens"])
+            again = [greedy(llm, job["prompts"], job["max_new_tokens"]) for _ in range(int(job.get("again", 1)))]
+            out["greedy_again"] = again if "again" in job else again[0]
         out["greedy_s"] = time.perf_counter() - t0
+    if job.get("passkeys") and not job.get("scales_only"):   # greedy answers: the key's tokens, or not
+        out["passkeys"] = greedy(llm, [p["prompt"] for p in job["passkeys"]], max(len(p["answer"])
+                                                                                for p in job["passkeys"]))
     if decode and not job.get("scales_only"):
         out["decode"] = decode_rate(llm, decode["prompt"], decode["new_tokens"], decode.get("repeats", 2))
+        if decode.get("batch", 1) > 1:
+            out["decode_batch"] = decode_rate_batch(llm, decode["prompt"], decode["new_tokens"], decode["batch"])
     if plugin is not None:
         out["plugin_stats"] = json.loads(json.dumps(plugin.STATS))
     del llm

@@ -14,7 +14,8 @@ token, with the outlier list of each side cut to a fixed capacity:
       value      [cap] fp16                      outliers: the exact value
     each 2-byte field at an even offset; the slot padded to an even size.
 
-    per page, after its block_size slots, when the recipe keeps sink rows (cache.n_sink > 0):
+    per page, after its block_size slots, when the recipe keeps sink rows (cache.n_sink > 0) and no recent window
+    (with a window the plugin keeps the sink rows beside it, once per sequence: serving/vllm_backend.py Window):
       sink       [n_sink, 2, H, D] fp16          the first n_sink positions of the sequence, post-RoPE K then V,
                                                  used in the page holding positions 0..block_size-1 only
 
@@ -71,11 +72,12 @@ class SlotLayout:
     value: SideSlot
     slot_bytes: int
     n_sink: int
+    sink_in_page: bool = True    # False: a recipe with a recent window keeps its sink rows beside it, per sequence
 
     @property
     def sink_bytes(self) -> int:
-        """Bytes after a page's slots: the sink rows, fp16 K and V."""
-        return self.n_sink * 2 * self.n_kv_heads * self.head_dim * 2
+        """Bytes after a page's slots: the sink rows, fp16 K and V (none where the sinks live beside the pages)."""
+        return self.n_sink * 2 * self.n_kv_heads * self.head_dim * 2 if self.sink_in_page else 0
 
     def page_bytes(self, block_size: int) -> int:
         return block_size * self.slot_bytes + self.sink_bytes
@@ -84,7 +86,8 @@ class SlotLayout:
         side = lambda s: {k: getattr(s, k) for k in ("bits", "code_bytes", "codes", "scale", "zero", "index",  # noqa: E731
                                                        "value", "cap")}
         return {"n_kv_heads": self.n_kv_heads, "head_dim": self.head_dim, "slot_bytes": self.slot_bytes,
-                "n_sink": self.n_sink, "sink_bytes": self.sink_bytes, "key": side(self.key),
+                "n_sink": self.n_sink, "sink_bytes": self.sink_bytes, "sink_in_page": self.sink_in_page,
+                "key": side(self.key),
                 "value": side(self.value)}
 
 
@@ -118,20 +121,16 @@ def _side(p: TensorPolicy, n_kv_heads: int, head_dim: int, at: int) -> tuple[Sid
 
 
 def refusals(policy) -> list[str]:
-    """Why vLLM's packed page cannot hold this policy exactly, one line per field (empty: servable). The slot
-    stores what a token's own rows determine; anything kept across tokens or beside the cache is refused."""
+    """Why vLLM's packed page cannot hold this policy exactly, one line per field (empty: servable). A slot stores
+    what a token's own rows determine; the recent window's fp16 rows are the plugin's per-sequence state beside the
+    pages (serving/vllm_backend.py); anything else kept across tokens or beside the cache is refused."""
     out = []
-    if policy.residual:
-        out.append(f"cache/residual: a window of full-precision recent rows needs per-request state, which vLLM "
-                   f"0.32 gives no attention layer (one fixed slot per token: vllm/v1/kv_cache_interface.py "
-                   f"AttentionSpec); allowed 0, got {policy.residual}")
     if policy.smooth is not None:
         out.append("cache/smoothing: SmoothAttention scales are not served by the vLLM plugin; allowed null")
     if policy.prefix_ids is not None and policy.prefix_ids.numel():
         out.append("cache/prefix: prefix rows are not served by the vLLM plugin; allowed null")
     if policy.key_rope not in ("pre", "post"):
         out.append(f"cache/key_rope: allowed 'pre' or 'post', got {policy.key_rope!r}")
-    shapes = set()
     for i, (k, v) in enumerate(policy.layers):
         for kind, p in (("key", k), ("value", v)):
             where = f"layers/{i}/{kind}"
@@ -140,33 +139,45 @@ def refusals(policy) -> list[str]:
                     "fp8", "fp16") else ""
                 out.append(f"{where}/format: allowed {SERVED_FORMATS}, got {p.format!r}{hint}")
                 continue
-            if p.rotation != "none":
-                out.append(f"{where}/rotation: allowed 'none', got {p.rotation!r}")
-            if p.clip != "none":  # the plugin encodes new rows without the range search
-                out.append(f"{where}/clip: allowed 'none', got {p.clip!r}")
+            if kind == "key" and p.rotation != "none":   # a rotated key is scored, not summed: no single un-rotation
+                out.append(f"{where}/rotation: allowed 'none' on keys (values: 'hadamard'), got {p.rotation!r}")
+            if kind == "key" and p.clip != "none":
+                out.append(f"{where}/clip: allowed 'none' on keys (values: 'mse'), got {p.clip!r}")
+            if kind == "value" and p.rotation != "none" and p.axis != "token":
+                out.append(f"{where}/rotation: a rotated value is served per token; allowed axis 'token', got "
+                           f"{p.axis!r}")
             if p.axis not in ("token", "channel") or (p.axis == "channel" and p.format != "nuq"):
                 out.append(f"{where}/axis: allowed 'token' (nuq, uniform) or 'channel' (nuq: static scales), got "
                            f"{p.axis!r} with format {p.format!r} (per-channel groups span tokens: no slot holds them)")
-            shapes.add((kind, p.bits, p.axis, p.outlier_fraction))
-    by_kind = {}
-    for kind, *rest in shapes:
-        by_kind.setdefault(kind, set()).add(tuple(rest))
-    for kind, variants in sorted(by_kind.items()):
-        if len(variants) > 1:
-            out.append(f"layers/*/{kind}: every layer's slot must be the same size (vLLM pages are uniform); "
-                       f"allowed one (bits, axis, outlier_fraction), got {sorted(variants)}")
     return out
 
 
-def layout(policy, n_kv_heads: int, head_dim: int) -> SlotLayout:
-    """The slot of a servable policy (refusals empty) for a model's kv heads and head dim."""
+def natural_bytes(policy, layer: int, n_kv_heads: int, head_dim: int) -> int:
+    """One layer's slot before padding: its key side, then its value side, padded to an even size."""
+    k, v = policy.layers[layer]
+    _, at = _side(k, n_kv_heads, head_dim, 0)
+    _, at = _side(v, n_kv_heads, head_dim, at)
+    return at + at % 2
+
+
+def padding_loss(policy, n_kv_heads: int, head_dim: int) -> float:
+    """The fraction of the slots' bytes that is padding: every layer's slot is the largest layer's (vLLM gives all
+    layers of an engine one page size; docs/vllm.md, "Per-layer bits")."""
+    sizes = [natural_bytes(policy, i, n_kv_heads, head_dim) for i in range(len(policy.layers))]
+    return 1.0 - sum(sizes) / (len(sizes) * max(sizes))
+
+
+def layout(policy, n_kv_heads: int, head_dim: int, layer: int = 0) -> SlotLayout:
+    """Layer `layer`'s slot of a servable policy (refusals empty) for a model's kv heads and head dim: its own fields
+    at its own offsets, in a slot of the largest layer's size (every layer's page is the same size)."""
     if n_kv_heads * head_dim > SENTINEL:
         raise ValueError(f"n_kv_heads * head_dim must be at most {SENTINEL} (int16 outlier indices), got "
                          f"{n_kv_heads * head_dim}")
-    k, v = policy.layers[0]
+    k, v = policy.layers[layer]
     key, at = _side(k, n_kv_heads, head_dim, 0)
     value, at = _side(v, n_kv_heads, head_dim, at)
-    return SlotLayout(n_kv_heads, head_dim, key, value, at + at % 2, policy.n_sink)
+    slot = max(natural_bytes(policy, i, n_kv_heads, head_dim) for i in range(len(policy.layers)))
+    return SlotLayout(n_kv_heads, head_dim, key, value, slot, policy.n_sink, sink_in_page=not policy.residual)
 
 
 # ---- a side's rows into slots and back ------------------------------------------------------------------------

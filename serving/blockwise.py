@@ -494,3 +494,22 @@ def generate(model, policy: CachePolicy, input_ids: torch.Tensor, attention_mask
         else:  # return_dict_in_generate: the sequences field
             out.sequences = out.sequences[:, ahead.numel():]
     return out, cache
+
+
+def greedy_stepwise(model, policy: CachePolicy, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation of `prompt` with the artifact's cache, the prompt given one token at a time: every
+    position reads what the evaluation's step reads (docs/manifest.md, "Evaluation: the served cache, read one token
+    at a time"; a recent window's rows in fp16 included), which is what the kvcalib vLLM plugin serves a prompt as,
+    however vLLM cuts it into chunks. -> the new token ids."""
+    cache = ArtifactCache(policy, model, attention="blockwise")
+    out: list[int] = []
+    kw = cache_kwargs(model, cache)
+    with torch.no_grad(), serving(model, cache):
+        logits = None
+        for tok in prompt:
+            logits = model(torch.tensor([[tok]]), use_cache=True, **kw).logits
+        for _ in range(new_tokens):
+            nxt = int(logits[0, -1].float().argmax())
+            out.append(nxt)
+            logits = model(torch.tensor([[nxt]]), use_cache=True, **kw).logits
+    return out

@@ -396,7 +396,9 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
     the sink and residual rows, then that of the pages (rotated values: the caller un-rotates the second). The one
     entry to the library's decode, for the serving cache (decode_attention) and the vLLM plugin
     (serving/vllm_backend.py, never split)."""
-    lib = _LIB["lib"]
+    lib = _load()   # loaded once (a caller that never asked available() first still gets it)
+    if lib is None:
+        raise InputError(f"the CPU kernel is not available: {_LIB['reason']}")
     if q.dim() != 3 or h_kv < 1 or q.shape[1] % h_kv or q.shape[1] // h_kv > lib.kvcalib_max_g():
         raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}, at "
                          f"most {lib.kvcalib_max_g()} per kv head; got {list(q.shape)}")

@@ -52,7 +52,9 @@ LAYER = re.compile(r"layers\.(\d+)\.")
 QUERY_CHUNK = 512    # prefill queries attended per SDPA call
 FAST_ROWS = 8        # a step of at most this many new tokens is encoded straight into its slots
 _SENTINELS = torch.full((4096,), vllm_slots.SENTINEL, dtype=torch.int16)   # empty outlier entries to copy from
-STATS: dict = {"kernel_calls": 0, "rows_calls": 0, "rows_written": 0, "overflow": {}, "seconds": {}}
+RING_SLACK = 4      # recent-window rings beyond max_num_seqs (sequences finished but not yet seen gone)
+STATS: dict = {"kernel_calls": 0, "rows_calls": 0, "rows_written": 0, "overflow": {}, "seconds": {},
+               "window_misses": 0, "window_ring_bytes": 0, "padding_loss": 0.0}
 PROFILE = os.environ.get("KVCALIB_VLLM_PROFILE") == "1"   # wall time of the write and the attention, in STATS
 
 
@@ -66,11 +68,99 @@ class Served:
     folder: str
     manifest: dict
     policy: object
-    layout: vllm_slots.SlotLayout
+    layout: vllm_slots.SlotLayout     # layer 0's slot: the page every layer's spec has (slots padded alike)
     cos: torch.Tensor                 # [N, D] float32 at positions 0..N-1 (the manifest's RoPE)
     sin: torch.Tensor
     kernel_rope: torch.Tensor | None  # [N, 2, D / 2]: cos then sin of the D / 2 frequencies (pre-RoPE keys)
     held: dict = field(default_factory=dict)
+    layouts: list = field(default_factory=list)   # every layer's slot (its own fields, the common size)
+    window: "Window | None" = None                # the recent window's rings (policy.residual > 0)
+
+    def slot(self, layer: int) -> vllm_slots.SlotLayout:
+        return self.layouts[layer] if self.layouts else self.layout
+
+
+class Window:
+    """The recent window's fp16 rows (docs/manifest.md, "Residual window and sinks"; docs/vllm.md, "The recent
+    window"): per running sequence its S sink rows (row p < S at p) and a ring of R rows (row p >= S at S + p mod R),
+    in every layer (the layers' rings are
+    KvcalibCPUImpl.ring; this object is what all layers share: which ring a sequence holds, and the position each
+    ring row holds). A sequence is known by its first block: with prefix caching off (the plugin turns it off for a
+    windowed recipe) a block belongs to one running sequence. Rings are taken least recently used first; a row a
+    step needs whose ring no longer holds it (a ring taken by another sequence) is read from its slot instead --
+    counted in STATS["window_misses"], never silently."""
+
+    def __init__(self, residual: int, n_sink: int, rings: int) -> None:
+        self.residual, self.n_sink, self.rings = residual, n_sink, rings
+        self.owner: dict[int, int] = {}                          # first block -> ring
+        self.stamp = [0] * rings                                 # the step each ring was last used at
+        self.key = [None] * rings
+        self.tags = torch.full((rings, n_sink + residual), -1, dtype=torch.int64)   # the position each row holds
+        self.step = 0
+
+    def index(self, p):
+        """Where position p (an int or an integer tensor) lies in its sequence's rows: p < S at p, else S + p mod R."""
+        if isinstance(p, torch.Tensor):
+            return torch.where(p < self.n_sink, p, self.n_sink + p % self.residual)
+        return p if p < self.n_sink else self.n_sink + p % self.residual
+
+    def encoded_end(self, n: int) -> int:
+        """e(n) of the flush rule for a flush unit of 1: the first row a query at position n - 1 reads in fp16 past
+        the sinks (docs/manifest.md, appending step 2)."""
+        return max(min(self.n_sink, n), n - self.residual)
+
+    def _take(self, key: int) -> int:
+        if len(self.owner) < self.rings:
+            ring = next(i for i in range(self.rings) if self.key[i] is None)
+        else:
+            ring = min(range(self.rings), key=self.stamp.__getitem__)
+            if self.stamp[ring] == self.step:
+                raise PluginRefusal(f"kvcalib vLLM plugin: more sequences in one step than the recent window's "
+                                    f"{self.rings} rings (max_num_seqs + {RING_SLACK})")
+            del self.owner[self.key[ring]]
+        self.owner[key] = ring
+        self.key[ring] = key
+        self.tags[ring] = -1
+        return ring
+
+    def plan(self, first_blocks: list[int], context: list[int], seq: list[int], q_lens: list[int]) -> dict:
+        """One step: each sequence's ring, the first row its queries read in fp16 from before the step (`lo`,
+        rows [lo, context) come from the ring; a lost row moves lo up to context), and which of the step's rows go
+        into which ring row (the rows a later query reads in fp16: p >= max(S, seq_len - R))."""
+        self.step += 1
+        rings, lo = [], []
+        store_tok, store_ring, store_idx = [], [], []
+        start = 0
+        if len(set(first_blocks)) < len(first_blocks):
+            raise PluginRefusal("kvcalib vLLM plugin: two running sequences share their first block: a recipe with a "
+                                "recent window is served with prefix caching off (enable_prefix_caching=False)")
+        for key, c, n, m in zip(first_blocks, context, seq, q_lens):
+            ring = self.owner.get(key)
+            if ring is None:   # a new sequence (or one whose ring was taken): what it wrote before is not held
+                ring = self._take(key)
+            self.stamp[ring] = self.step
+            rings.append(ring)
+            sinks = torch.arange(min(self.n_sink, c))
+            if not bool((self.tags[ring, sinks] == sinks).all()):   # no copy of a sink row anywhere else
+                raise PluginRefusal(f"kvcalib vLLM plugin: a running sequence's sink rows are no longer held (its "
+                                    f"ring was taken: more sequences than max_num_seqs + {RING_SLACK} at once?)")
+            a = self.encoded_end(c + 1)
+            if a < c:
+                want = torch.arange(a, c)
+                if not bool((self.tags[ring, self.index(want)] == want).all()):
+                    STATS["window_misses"] = STATS.get("window_misses", 0) + (c - a)
+                    a = c
+            lo.append(a)
+            p = torch.arange(c, n)
+            p = p[(p < self.n_sink) | (p >= n - self.residual)]   # sink rows, and the rows a later query reads
+            if p.numel():
+                store_tok.append(p - c + start)
+                store_ring.append(torch.full_like(p, ring))
+                store_idx.append(self.index(p))
+                self.tags[ring, self.index(p)] = p
+            start += m
+        cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64))  # noqa: E731
+        return {"rings": rings, "lo": lo, "tok": cat(store_tok), "ring": cat(store_ring), "idx": cat(store_idx)}
 
 
 _SERVED: dict[str, Served | None] = {}
@@ -135,20 +225,25 @@ def served_for(vllm_config) -> Served | None:
         if problems:
             raise PluginRefusal(f"kvcalib vLLM plugin: {folder}: the artifact's recipe {policy.name!r} is not "
                                 f"servable: " + "; ".join(problems))
+        rings = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 128) or 128) + RING_SLACK
+        _SERVED[key] = served_of(key, artifact, max(int(mc.max_model_len), 1) + 1, rings)
         m = artifact.manifest["model"]
-        d = m["head_dim"]
-        n = max(int(mc.max_model_len), 1) + 1
-        cos, sin = rope_cos_sin(torch.arange(n), d, m["rope"]["theta"], m["rope"].get("scaling"))
-        kernel_rope = None
-        if policy.key_rope == "pre":
-            kernel_rope = torch.stack([cos[:, :d // 2], sin[:, :d // 2]], 1).contiguous()
-        _SERVED[key] = Served(key, artifact.manifest, policy, vllm_slots.layout(policy, m["n_kv_heads"], d), cos,
-                              sin, kernel_rope)
+        STATS["padding_loss"] = vllm_slots.padding_loss(policy, m["n_kv_heads"], m["head_dim"])
     served = _SERVED[key]
     if served is not None:
         problems = settings_refusals(vllm_config, served.manifest, served.policy)
         if problems:
             raise PluginRefusal(f"kvcalib vLLM plugin: {folder}: " + "; ".join(problems))
+        cache = vllm_config.cache_config
+        if served.window is not None and cache.enable_prefix_caching:
+            # a block taken from the prefix cache would need the fp16 copies of the rows before it, which no slot
+            # keeps (docs/vllm.md, "The recent window"): the engine (this process's config, read by its scheduler
+            # after the model is built) computes every prompt instead
+            cache.enable_prefix_caching = False
+            import logging
+            logging.getLogger("vllm").warning(
+                "kvcalib vLLM plugin: prefix caching turned off: the recipe %r keeps a recent window of %d fp16 "
+                "rows, which a cached block does not hold", served.policy.name, served.policy.residual)
     return served
 
 
@@ -171,7 +266,7 @@ class KvcalibCPUBackend(CPUAttentionBackend):
         if served is None or type(spec) is not FullAttentionSpec or spec.state_content_bytes is not None:
             return super().customize_spec(spec)
         lay = served.layout
-        padded = lay.page_bytes(spec.block_size) if lay.sink_bytes else None
+        padded = lay.page_bytes(spec.block_size) if lay.sink_bytes else None   # sinks in the page (no window)
         return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=lay.slot_bytes,
                        page_size_padded=padded)
 
@@ -185,6 +280,7 @@ class PackedMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     shared: dict = field(default_factory=dict)   # what every layer of the step derives alike, made by the first
+    window: dict | None = None                   # Window.plan of the step (a recipe with a recent window)
 
 
 class KvcalibBuilder(CPUAttentionMetadataBuilder):
@@ -203,8 +299,12 @@ class KvcalibBuilder(CPUAttentionMetadataBuilder):
         context = seq.long() - q_lens
         positions = (torch.arange(n) - torch.repeat_interleave(qsl[:-1].long(), q_lens)
                      + torch.repeat_interleave(context, q_lens))
-        return PackedMetadata(cm.num_actual_tokens, qsl.tolist(), seq.tolist(), cm.block_table_tensor,
-                              cm.slot_mapping, positions)
+        md = PackedMetadata(cm.num_actual_tokens, qsl.tolist(), seq.tolist(), cm.block_table_tensor,
+                            cm.slot_mapping, positions)
+        if self.served.window is not None:
+            first = cm.block_table_tensor[:len(md.seq_lens), 0].tolist()
+            md.window = self.served.window.plan(first, context.tolist(), md.seq_lens, q_lens.tolist())
+        return md
 
 
 @dataclass
@@ -212,6 +312,31 @@ class _Layer:
     index: int
     key: object
     value: object
+    slot: vllm_slots.SlotLayout = None
+    unrotate: torch.Tensor | None = None    # rotated values: y @ unrotate un-rotates a value row
+
+
+def layer_of(served: Served, i: int) -> _Layer:
+    """Layer i's policies, slot and value un-rotation as the plugin serves them."""
+    from serving.inputs import value_unrotation
+
+    k, v = served.policy.layers[i]
+    return _Layer(i, k, v, served.slot(i), value_unrotation(v, served.layout.head_dim, torch.device("cpu")))
+
+
+def served_of(folder: str, artifact, max_positions: int, rings: int = 1) -> Served:
+    """A verified packed artifact as the plugin serves it (served_for's Served, without vLLM's config): every
+    layer's slot, the RoPE tables for max_positions, a recent window's rings."""
+    policy, m = artifact.policy, artifact.manifest["model"]
+    d, h = m["head_dim"], m["n_kv_heads"]
+    cos, sin = rope_cos_sin(torch.arange(max_positions), d, m["rope"]["theta"], m["rope"].get("scaling"))
+    kernel_rope = None
+    if policy.key_rope == "pre":
+        kernel_rope = torch.stack([cos[:, :d // 2], sin[:, :d // 2]], 1).contiguous()
+    layouts = [vllm_slots.layout(policy, h, d, i) for i in range(len(policy.layers))]
+    window = Window(policy.residual, policy.n_sink, rings) if policy.residual else None
+    return Served(folder, artifact.manifest, policy, layouts[0], cos, sin, kernel_rope, layouts=layouts,
+                  window=window)
 
 
 class KvcalibCPUImpl(CPUAttentionBackendImpl):
@@ -222,8 +347,23 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         self._layer: _Layer | None = None
         self._consts: dict = {}
         self._count: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None
         if self.served is None:
             return
+        if not cpu_attention.available():   # the fused kernel reads every single-token step
+            raise PluginRefusal(f"kvcalib vLLM plugin: the CPU kernel is not available: "
+                                f"{cpu_attention.status().get('reason')} (scripts/install-vllm.sh builds it: "
+                                f"python -m serving.cpu_attention build)")
+        window = self.served.window
+        if window is not None:   # this layer's rings, sized up front and taken from what vLLM may give its cache
+            m = self.served.manifest["model"]
+            self.ring = torch.zeros(window.rings, window.n_sink + window.residual, 2, m["n_kv_heads"],
+                                    m["head_dim"], dtype=torch.float16)
+            nbytes = self.ring.numel() * 2
+            STATS["window_ring_bytes"] += nbytes
+            cache = get_current_vllm_config().cache_config
+            if cache.kv_cache_memory_bytes is not None:
+                cache.kv_cache_memory_bytes = max(0, int(cache.kv_cache_memory_bytes) - nbytes)
         bad = []
         if self.attn_type != AttentionType.DECODER:
             bad.append(f"attn_type: allowed 'decoder', got {self.attn_type!r}")
@@ -255,6 +395,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         lay = self.bind(layer)
         md = attn_metadata
         n = md.num_actual_tokens
+        old = self._old_rows(md) if md.window is not None else {}
         if n and key is not None:
             self._write(lay, key[:n], value[:n], md, kv_cache)
         if PROFILE:
@@ -265,12 +406,19 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             a, b = qsl[i], qsl[i + 1]
             if b == a:
                 continue
+            win = None
+            if md.window is not None:
+                win = (md.window["rings"][i], md.window["lo"][i])
             if b - a == 1:
-                o = self._decode_one(lay, query[a:b], md.block_table[i], seq[i], kv_cache, md.shared, ("table", i))
+                o = self._decode_one(lay, query[a:b], md.block_table[i], seq[i], kv_cache, md.shared, ("table", i),
+                                     win)
                 if PROFILE:
                     STATS["seconds"]["decode"] = STATS["seconds"].get("decode", 0.0) + time.perf_counter() - t1
             else:
-                o = self._attend_rows(lay, query[a:b], md.block_table[i], seq[i], kv_cache)
+                new = None
+                if win is not None:
+                    new = (key[a:b].to(torch.float16), value[a:b].to(torch.float16))
+                o = self._attend_rows(lay, query[a:b], md.block_table[i], seq[i], kv_cache, win, old.get(i), new)
             output[a:b] = o.to(output.dtype)
         if PROFILE:
             STATS["seconds"]["attend"] = STATS["seconds"].get("attend", 0.0) + time.perf_counter() - t1
@@ -292,12 +440,24 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             n_layers = len(self.served.policy.layers)
             if i >= n_layers:
                 raise PluginRefusal(f"kvcalib vLLM plugin: layer {layer.layer_name!r}: the artifact has {n_layers} layers")
-            k, v = self.served.policy.layers[i]
-            self._layer = _Layer(i, k, v)
+            self._layer = layer_of(self.served, i)
         return self._layer
 
+    def _old_rows(self, md: PackedMetadata) -> dict:
+        """Before the step's write: the fp16 rows each prefill chunk reads from its ring -- its sink rows before the
+        chunk, then the rows [lo, context) -- (the write may put the chunk's own rows over them).
+        -> {sequence: [m, 2, H, D] fp16, sinks first}."""
+        out = {}
+        qsl, window = md.query_start_loc, self.served.window
+        for i, (ring, lo) in enumerate(zip(md.window["rings"], md.window["lo"])):
+            c = md.seq_lens[i] - (qsl[i + 1] - qsl[i])
+            if qsl[i + 1] - qsl[i] > 1 and c:
+                p = torch.cat([torch.arange(min(window.n_sink, c)), torch.arange(min(max(lo, window.n_sink), c), c)])
+                out[i] = self.ring[ring, window.index(p)].clone()
+        return out
+
     def _sink_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The pages' sink rows: [num_blocks, n_sink, 2, H, D] fp16 after each page's slots."""
+        """The pages' sink rows: [num_blocks, n_sink, 2, H, D] fp16 after each page's slots (alike in every layer)."""
         lay = self.served.layout
         nb, _, bs, c = kv_cache.shape
         raw = torch.as_strided(kv_cache, (nb, lay.sink_bytes), (kv_cache.stride(0), 1),
@@ -305,17 +465,21 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         return raw.view(torch.float16).view(nb, lay.n_sink, 2, lay.n_kv_heads, lay.head_dim)
 
     def _write(self, lay: _Layer, key, value, md: PackedMetadata, kv_cache: torch.Tensor) -> None:
-        sl = self.served.layout
+        sl = lay.slot
         n = key.shape[0]
+        if md.window is not None and md.window["tok"].numel():   # the fp16 rows later queries read, into the rings
+            w = md.window
+            self.ring[w["ring"], w["idx"], 0] = key[w["tok"]].to(torch.float16)
+            self.ring[w["ring"], w["idx"], 1] = value[w["tok"]].to(torch.float16)
         bs = kv_cache.shape[2]
-        step = md.shared.get("write")
+        step = md.shared.get(("write", sl))
         if step is None:
             pos = md.positions[:n]
             slots = md.slot_mapping[:n].long()
             blk, off = slots // bs, slots % bs
             sink = pos < sl.n_sink
             any_sink = bool(sink.any())
-            step = md.shared["write"] = {"pos": pos, "blk": blk, "off": off, "sink": sink, "any_sink": any_sink,
+            step = md.shared[("write", sl)] = {"pos": pos, "blk": blk, "off": off, "sink": sink, "any_sink": any_sink,
                                          "rel": (blk * kv_cache.stride(0) + off * sl.slot_bytes).tolist(),
                                          "pos_list": pos.tolist()}
         if not step["any_sink"] and n <= FAST_ROWS and cpu_attention.available() and self._fast_write(
@@ -324,10 +488,11 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             return
         pos, blk, off, sink = step["pos"], step["blk"], step["off"], step["sink"]
         rows = torch.ones(n, dtype=torch.bool)
-        if step["any_sink"]:
+        if step["any_sink"] and sl.sink_in_page:
             view = self._sink_view(kv_cache)
             view[blk[sink], pos[sink], 0] = key[sink].to(torch.float16)
             view[blk[sink], pos[sink], 1] = value[sink].to(torch.float16)
+        if step["any_sink"]:
             rows = ~sink
         m = int(rows.sum())
         if not m:
@@ -358,7 +523,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         bytes the torch path packs (the encoder is the codec's to the bit), with no temporary per field. False when
         the policy is not the library's or a token's outliers exceed a slot (the caller's path then stores the
         step, clamping the excess)."""
-        sl = self.served.layout
+        sl = lay.slot
         if cpu_attention._encoder_consts(lay.key) is None or cpu_attention._encoder_consts(lay.value) is None:
             return False
         if self._count is None:
@@ -382,22 +547,21 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                     ctypes.memset(base + s.value + 2 * got, 0, 2 * (s.cap - got))
         return True
 
-    def _page_consts(self, bs: int) -> tuple:
-        """Per block size: each side's outlier counts (its capacity, every row: empty entries hold the sentinel)
-        and the rows' offsets into the lists (t * slot_bytes / 2 int16 entries), shared by every page."""
-        if bs not in self._consts:
-            sl = self.served.layout
+    def _page_consts(self, bs: int, sl: vllm_slots.SlotLayout) -> tuple:
+        """Per block size and slot: each side's outlier counts (its capacity, every row: empty entries hold the
+        sentinel) and the rows' offsets into the lists (t * slot_bytes / 2 int16 entries), shared by every page."""
+        if (bs, sl) not in self._consts:
             caps = [torch.full((bs,), s.cap, dtype=torch.int16) for s in (sl.key, sl.value)]
             offs = torch.arange(bs, dtype=torch.int64) * (sl.slot_bytes // 2)
-            self._consts[bs] = (caps, offs)
-        return self._consts[bs]
+            self._consts[(bs, sl)] = (caps, offs)
+        return self._consts[(bs, sl)]
 
-    def _page_table(self, block_row, t: int, kv_cache: torch.Tensor) -> tuple:
+    def _page_table(self, block_row, t: int, kv_cache: torch.Tensor, sl: vllm_slots.SlotLayout) -> tuple:
         """The page table of one sequence's t rows with addresses relative to the layer's cache (every layer of a
         step shares it: the same blocks at the same strides), and the masks that make it absolute for a layer:
         table = relative + byte_fields * base + half_fields * (base / 2). -> (relative [P, N_PAGE], byte mask,
-        half mask, the sink rows' relative address or None, their count)."""
-        sl = self.served.layout
+        half mask, the sink rows' relative address or None, their count). Rows [n_sink, t) only: t is where the
+        rows read decoded end (a recent window's fp16 rows are read apart)."""
         bs, c = kv_cache.shape[2], sl.slot_bytes
         nb = -(-t // bs)
         blocks = block_row[:nb].long()
@@ -409,7 +573,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         start[0] += s0
         rows[0] -= s0
         base[0] += s0 * c
-        (kcap, vcap), offs = self._page_consts(bs)
+        (kcap, vcap), offs = self._page_consts(bs, sl)
         table = torch.zeros(nb, N_PAGE, dtype=torch.int64)
         byte_f = torch.zeros(N_PAGE, dtype=torch.int64)
         half_f = torch.zeros(N_PAGE, dtype=torch.int64)
@@ -432,61 +596,132 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         return table, byte_f, half_f, sink_rel, s0
 
     def _decode_one(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, shared: dict | None = None,
-                    key=None) -> torch.Tensor:
-        sl = self.served.layout
-        held = None if shared is None else shared.get(key)
+                    key=None, win: tuple | None = None) -> torch.Tensor:
+        """The sequence's one new token (position t - 1) through the fused kernel: the sink rows (fp16, the first
+        page's), the rows [n_sink, e) decoded from their slots and, with a recent window, the rows [e, t) in fp16
+        from the sequence's ring (win: (ring, lo); e = max(e(t), lo))."""
+        sl = lay.slot
+        end = t
+        recent = cpu_attention._Rows()
+        keep: list = []
+        sink = cpu_attention._Rows()
+        h, d = sl.n_kv_heads, sl.head_dim
+        if win is not None:
+            window = self.served.window
+            ring, lo = win
+            end = max(window.encoded_end(t), min(lo, t - 1), min(sl.n_sink, t))
+            if end < t:
+                rows = self.ring[ring, window.index(torch.arange(end, t))]            # [m, 2, H, D] fp16
+                k, v = rows[:, 0].permute(1, 0, 2)[None], rows[:, 1].permute(1, 0, 2)[None]
+                recent = cpu_attention._rows((k, v), 1, h, d, "recent")
+                keep.append(rows)
+            s0 = min(sl.n_sink, t)
+            if s0:   # the sequence's sink rows: the first rows of its ring, in place
+                kp = self.ring[ring].data_ptr()
+                strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
+                sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1), s0)
+        tkey = None if key is None else (key, sl, end)
+        held = None if shared is None else shared.get(tkey)
         if held is None:
-            held = self._page_table(block_row, t, kv_cache)
+            held = self._page_table(block_row, end, kv_cache, sl)
             if shared is not None:
-                shared[key] = held
+                shared[tkey] = held
         rel, byte_f, half_f, sink_rel, s0 = held
         base = kv_cache.data_ptr()
         table = rel + byte_f * base + half_f * (base // 2)
-        sink = cpu_attention._Rows()
-        if s0:
-            h, d = sl.n_kv_heads, sl.head_dim
+        if s0 and sl.sink_in_page:
             kp = base + sink_rel
             strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
             sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1), s0)
-        (kcap, vcap), offs = self._page_consts(kv_cache.shape[2])
-        keep: list = [kcap, vcap, offs]
+        (kcap, vcap), offs = self._page_consts(kv_cache.shape[2], sl)
+        keep += [kcap, vcap, offs]
+        split = lay.unrotate is not None
         out = cpu_attention.launch(table if table.shape[0] else torch.zeros(1, N_PAGE, dtype=torch.int64),
                                    table.shape[0], q, sl.n_kv_heads, self.scale, lay.key, lay.value,
                                    (sl.key.cap > 0, sl.value.cap > 0), self.served.kernel_rope, sink,
-                                   cpu_attention._Rows(), None, cpu_attention.CHUNK, torch.get_num_threads(), keep)
+                                   recent, None, cpu_attention.CHUNK, torch.get_num_threads(), keep, split=split)
         STATS["kernel_calls"] += 1
+        if split:
+            from serving.inputs import finish
+            out = finish(out[0], out[1], lay.unrotate)
         return out[0]
 
-    def _attend_rows(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Several new tokens of one sequence (prefill): its stored rows decoded, RoPE applied, causal SDPA."""
-        sl = self.served.layout
+    def _attend_rows(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, win: tuple | None = None,
+                     old: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
+        """Several new tokens of one sequence (a prefill chunk, positions t - nq .. t - 1): its stored rows decoded,
+        RoPE applied, causal SDPA in float32. With a recent window, each query reads exactly what the evaluation's
+        one-token-at-a-time step reads (docs/manifest.md, "Reading"): the query at position p the rows [e(p + 1),
+        p + 1) in fp16 -- from the ring (`old`, rows [lo, t - nq)) and from the chunk itself (`new`, its fp16 K and
+        V) -- and the rows [n_sink, e(p + 1)) decoded; so a chunk's queries see the same rows however the prompt is
+        cut into chunks."""
+        sl = lay.slot
         bs = kv_cache.shape[2]
-        nb = -(-t // bs)
-        blocks = block_row[:nb].long()
+        nq = q.shape[0]
+        c = t - nq
         s0 = min(sl.n_sink, t)
+        if win is None:
+            dec_end = t
+        else:
+            window = self.served.window
+            lo = win[1]
+            qpos = torch.arange(c, t)
+            win_lo = torch.maximum(torch.maximum(qpos + 1 - window.residual, (qpos + 1).clamp(max=sl.n_sink)),
+                                   torch.full_like(qpos, lo).clamp(max=c))              # per query: fp16 from here
+            dec_end = int(win_lo[-1])
+        nb = -(-max(dec_end, s0, 1) // bs)
+        blocks = block_row[:nb].long()
         ks, vs = [], []
         if s0:
-            sink = self._sink_view(kv_cache)[blocks[0], :s0].float()           # [s0, 2, H, D]
+            if sl.sink_in_page:
+                sink = self._sink_view(kv_cache)[blocks[0], :s0].float()       # [s0, 2, H, D]
+            else:   # the ring's sink rows before the chunk (`old` starts with them), the chunk's own after
+                before = min(s0, c)
+                parts = [] if old is None else [old[:before].float()]
+                sink = torch.cat(parts + [torch.stack(new, 1)[:s0 - before].float()])
             ks.append(sink[:, 0].permute(1, 0, 2).unsqueeze(0))
             vs.append(sink[:, 1].permute(1, 0, 2).unsqueeze(0))
-        if t > s0:
-            slots = kv_cache[blocks, 0].reshape(nb * bs, -1)[s0:t]
+        if dec_end > s0:
+            slots = kv_cache[blocks, 0].reshape(nb * bs, -1)[s0:dec_end]
             k = decode(vllm_slots.unpack_side(slots, sl.key, lay.key, sl.n_kv_heads, sl.head_dim), lay.key)
             if self.served.policy.key_rope == "pre":
-                k = apply_rope(k, self.served.cos[s0:t], self.served.sin[s0:t])
+                k = apply_rope(k, self.served.cos[s0:dec_end], self.served.sin[s0:dec_end])
             v = decode(vllm_slots.unpack_side(slots, sl.value, lay.value, sl.n_kv_heads, sl.head_dim), lay.value)
             ks.append(k)
             vs.append(v)
-        kk, vv = torch.cat(ks, 2), torch.cat(vs, 2)                              # [1, H, t, D]
-        nq = q.shape[0]
         qq = q.float().permute(1, 0, 2).unsqueeze(0)                             # [1, H_q, nq, D]
         outs = []
-        for a in range(0, nq, QUERY_CHUNK):   # queries in chunks: the scores of a chunk are [H_q, chunk, t]
-            b = min(nq, a + QUERY_CHUNK)
-            end = t - nq + b                   # the chunk's last query sees rows < end
-            mask = torch.arange(end)[None, :] <= torch.arange(t - nq + a, end)[:, None]
-            outs.append(F.scaled_dot_product_attention(qq[:, :, a:b], kk[:, :, :end], vv[:, :, :end], attn_mask=mask,
-                                                       scale=self.scale, enable_gqa=True))
+        if win is None:
+            kk, vv = torch.cat(ks, 2), torch.cat(vs, 2)                          # [1, H, t, D]
+            for a in range(0, nq, QUERY_CHUNK):   # queries in chunks: the scores of a chunk are [H_q, chunk, t]
+                b = min(nq, a + QUERY_CHUNK)
+                end = t - nq + b                   # the chunk's last query sees rows < end
+                mask = torch.arange(end)[None, :] <= torch.arange(t - nq + a, end)[:, None]
+                outs.append(F.scaled_dot_product_attention(qq[:, :, a:b], kk[:, :, :end], vv[:, :, :end],
+                                                           attn_mask=mask, scale=self.scale, enable_gqa=True))
+        else:
+            w0 = int(win_lo[0])                    # the fp16 rows [w0, t): the ring's [w0, c), the chunk's [c, t)
+            fk, fv = [], []
+            if w0 < c:   # `old`: the sink rows before the chunk, then the rows [max(lo, S), c)
+                at = min(sl.n_sink, c) + w0 - max(lo, sl.n_sink)
+                fk.append(old[at:, 0].float())
+                fv.append(old[at:, 1].float())
+            fk.append(new[0][max(w0, c) - c:].float())
+            fv.append(new[1][max(w0, c) - c:].float())
+            fk = torch.cat(fk).permute(1, 0, 2).unsqueeze(0)                     # [1, H, t - w0, D]
+            fv = torch.cat(fv).permute(1, 0, 2).unsqueeze(0)
+            kk, vv = torch.cat(ks + [fk], 2), torch.cat(vs + [fv], 2)
+            n_dec = max(dec_end, s0)                                             # columns before the fp16 rows
+            col = torch.cat([torch.arange(n_dec), torch.arange(w0, t)])         # each column's position
+            is_fp = torch.arange(col.numel()) >= n_dec
+            is_sink = col < s0
+            for a in range(0, nq, QUERY_CHUNK):
+                b = min(nq, a + QUERY_CHUNK)
+                p = qpos[a:b, None]
+                wl = win_lo[a:b, None]
+                mask = (col[None] <= p) & ((is_sink & ~is_fp)[None] | (~is_fp[None] & (col[None] < wl))
+                                           | (is_fp[None] & (col[None] >= wl)))
+                outs.append(F.scaled_dot_product_attention(qq[:, :, a:b], kk, vv, attn_mask=mask, scale=self.scale,
+                                                           enable_gqa=True))
         STATS["rows_calls"] += 1
         return torch.cat(outs, 2)[0].permute(1, 0, 2)
 
@@ -513,6 +748,6 @@ def held(model) -> list[dict]:
                     t = getattr(p, tname, None)
                     if t is not None:
                         row[f"{kind}.{tname}"] = vllm_slots.tensor_digest(t)
-            row["layout"] = impl.served.layout.as_json()
+            row["layout"] = lay.slot.as_json()
         out.append(row)
     return sorted(out, key=lambda r: r["layer"])

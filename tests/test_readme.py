@@ -14,24 +14,18 @@ A `vllm serve` line runs as printed from .venv-vllm (where .ci/run builds it wit
 passed over. Lines that cannot run here are listed in NOT_RUN with the reason; test_every_command_is_run_or_listed_with_a_reason
 holds that list equal to the README's other lines, so a new README command is either run or given a reason. The
 relative links of README.md and docs/*.md (files and #anchors) are checked too."""
-import json
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from bench.vllm_runs import DEFAULT_VLLM_PYTHON
+from tests.vllm_http import VLLM_BIN, own_greedy, serve_and_complete
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_BIN = Path(DEFAULT_VLLM_PYTHON).parent / "vllm"
 README = ROOT / "README.md"
 SMALL = ["data.n_samples=2", "data.seq_len=128", "data.eval_n_samples=2", "data.eval_seq_len=128",
          "traces.reservoir_size=64", "probes.lengths=[256]", "model.dtype=float32", "model.device=cpu"]
@@ -215,50 +209,6 @@ def _next_steps_labels(text: str) -> list[str]:
     return [re.split(r" \(|:", line.strip())[0] for line in body.splitlines() if line.strip()]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def serve_and_complete(line: str, cwd: Path, timeout: float = 600.0) -> dict:
-    """A README `vllm serve ...` line, as printed, from .venv-vllm's bin on 127.0.0.1 (a free port): waits until
-    the server answers, asks it for a greedy completion of 8 tokens over HTTP, stops it -> the completion's JSON."""
-    words = shlex.split(line)
-    port = _free_port()
-    log = cwd / f"vllm-serve-{port}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the line's own --kv-cache-memory-bytes, not a leftover setting
-    with open(log, "w") as out:
-        proc = subprocess.Popen([str(VLLM_BIN)] + words[1:] + ["--host", "127.0.0.1", "--port", str(port)],
-                                cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"{line}: exited {proc.returncode}\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"{line}: no answer in {timeout:.0f} s\n{log.read_text()[-4000:]}"
-            try:
-                with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        body = json.dumps({"model": words[2], "prompt": "The capital of France is", "max_tokens": 8,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
 def test_the_readme_runs_as_written(own_model, tmp_path):
     text = README.read_text()
     run: dict = {}
@@ -268,9 +218,13 @@ def test_the_readme_runs_as_written(own_model, tmp_path):
             if not VLLM_BIN.is_file():  # a user's `make test`: .venv-vllm is built by scripts/install-vllm.sh only
                 print(f"not run (no {VLLM_BIN}; bash scripts/install-vllm.sh builds it): {source}")
                 continue
-            done = serve_and_complete(_fill(source, own_model, run, shlex.quote), tmp_path)
+            line = _fill(source, own_model, run, shlex.quote)
+            done = serve_and_complete(line, tmp_path)
             choice = done["choices"][0]
             assert done["usage"]["completion_tokens"] == 8 and choice["text"], done
+            folder = tmp_path / shlex.split(line)[2]
+            if (folder / "kvcalib").is_dir():   # a packed folder: the plugin's tokens are our own cache's
+                assert choice["token_ids"] == own_greedy(folder, choice["prompt_token_ids"], 8), (line, done)
             ran.append(source)
             continue
         if kind == "python":

