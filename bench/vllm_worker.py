@@ -154,8 +154,9 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
     if run.get("max_num_seqs"):             # vLLM wants max_num_batched_tokens >= max_num_seqs
         kw["max_num_seqs"] = int(run["max_num_seqs"])
     batched = int(run.get("max_num_batched_tokens") or max(2048, longest + 16))   # smaller: prefills in chunks
+    limit = json.loads(open(os.path.join(checkpoint, "config.json")).read()).get("max_position_embeddings")
     llm = LLM(model=checkpoint, kv_cache_dtype=run["kv_cache_dtype"], dtype=run["dtype"], enforce_eager=True,
-              max_model_len=longest + 16, enable_prefix_caching=bool(job.get("prefix_caching")), seed=0,
+              max_model_len=min(longest + 16, int(limit or longest + 16)), enable_prefix_caching=bool(job.get("prefix_caching")), seed=0,
               max_num_batched_tokens=batched, **kw)
     out = {"name": run["name"], "kv_cache_dtype": run["kv_cache_dtype"], "dtype": run["dtype"],
            "load_s": time.perf_counter() - t0}

@@ -30,7 +30,8 @@ RECIPES = ["kvquant-3b-1pct+smooth+prefix", "kivi-2", "fp8-e4m3", "kvquant-2b+si
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory, export_recipe, records, tiny):
     """Per recipe: the artifact with the informative fields filled as a pipeline run fills it, the tiny model it
-    was calibrated on, and its vLLM checkpoint where vLLM serves the recipe (fp8-e4m3)."""
+    was calibrated on, and its vLLM checkpoint where vLLM serves the recipe (fp8-e4m3: vLLM's fp8 cache; the rotated
+    windowed recipe: the kvcalib plugin's packed folder)."""
     out = []
     for recipe in RECIPES:
         evaluation = {**records["evaluation"], recipe: {**records["evaluation"]["int4-token"],
@@ -40,7 +41,7 @@ def originals(tmp_path_factory, export_recipe, records, tiny):
         update_manifest(path, runtime_check=records["runtime_check"], gate=records["gate"])
         out.append(Original.of(recipe, (path / "manifest.json").read_bytes(), (path / mf.TENSOR_FILE).read_bytes(),
                                tiny.spec, tiny.model, vllm_checkpoint(path, tiny, here / "vllm")))
-    assert [o.checkpoint is not None for o in out] == [False, False, True, False]
+    assert [o.checkpoint is not None for o in out] == [False, False, True, True]   # fp8, and the plugin's packed
     return out
 
 
