@@ -234,16 +234,6 @@ def served_for(vllm_config) -> Served | None:
         problems = settings_refusals(vllm_config, served.manifest, served.policy)
         if problems:
             raise PluginRefusal(f"kvcalib vLLM plugin: {folder}: " + "; ".join(problems))
-        cache = vllm_config.cache_config
-        if served.window is not None and cache.enable_prefix_caching:
-            # a block taken from the prefix cache would need the fp16 copies of the rows before it, which no slot
-            # keeps (docs/vllm.md, "The recent window"): the engine (this process's config, read by its scheduler
-            # after the model is built) computes every prompt instead
-            cache.enable_prefix_caching = False
-            import logging
-            logging.getLogger("vllm").warning(
-                "kvcalib vLLM plugin: prefix caching turned off: the recipe %r keeps a recent window of %d fp16 "
-                "rows, which a cached block does not hold", served.policy.name, served.policy.residual)
     return served
 
 
