@@ -153,31 +153,32 @@ def refusals(policy) -> list[str]:
 
 
 def natural_bytes(policy, layer: int, n_kv_heads: int, head_dim: int) -> int:
-    """One layer's slot before padding: its key side, then its value side, padded to an even size."""
+    """One layer's slot: its key side, then its value side, padded to an even size."""
     k, v = policy.layers[layer]
     _, at = _side(k, n_kv_heads, head_dim, 0)
     _, at = _side(v, n_kv_heads, head_dim, at)
     return at + at % 2
 
 
-def padding_loss(policy, n_kv_heads: int, head_dim: int) -> float:
-    """The fraction of the slots' bytes that is padding: every layer's slot is the largest layer's (vLLM gives all
-    layers of an engine one page size; docs/vllm.md, "Per-layer bits")."""
-    sizes = [natural_bytes(policy, i, n_kv_heads, head_dim) for i in range(len(policy.layers))]
-    return 1.0 - sum(sizes) / (len(sizes) * max(sizes))
+def padding_loss(given: dict, natural: dict) -> float:
+    """The fraction of the pages' slot bytes that is padding, for the slot sizes vLLM was given per layer
+    ({layer: bytes}) against each layer's own (natural_bytes). 0 when every layer has a page of its own size
+    (serving/vllm_backend.py customize_spec: vLLM's UniformTypeKVCacheSpecs)."""
+    total = sum(given.values())
+    return 1.0 - sum(natural[i] for i in given) / total if total else 0.0
 
 
 def layout(policy, n_kv_heads: int, head_dim: int, layer: int = 0) -> SlotLayout:
     """Layer `layer`'s slot of a servable policy (refusals empty) for a model's kv heads and head dim: its own fields
-    at its own offsets, in a slot of the largest layer's size (every layer's page is the same size)."""
+    at its own offsets, in a slot of its own size (each layer's page is its own: vLLM groups full-attention layers
+    of different page sizes in one UniformTypeKVCacheSpecs, every layer's page holding the same tokens)."""
     if n_kv_heads * head_dim > SENTINEL:
         raise ValueError(f"n_kv_heads * head_dim must be at most {SENTINEL} (int16 outlier indices), got "
                          f"{n_kv_heads * head_dim}")
     k, v = policy.layers[layer]
     key, at = _side(k, n_kv_heads, head_dim, 0)
     value, at = _side(v, n_kv_heads, head_dim, at)
-    slot = max(natural_bytes(policy, i, n_kv_heads, head_dim) for i in range(len(policy.layers)))
-    return SlotLayout(n_kv_heads, head_dim, key, value, slot, policy.n_sink, sink_in_page=not policy.residual)
+    return SlotLayout(n_kv_heads, head_dim, key, value, at + at % 2, policy.n_sink, sink_in_page=not policy.residual)
 
 
 # ---- a side's rows into slots and back ------------------------------------------------------------------------

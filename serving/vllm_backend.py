@@ -54,7 +54,7 @@ FAST_ROWS = 8        # a step of at most this many new tokens is encoded straigh
 _SENTINELS = torch.full((4096,), vllm_slots.SENTINEL, dtype=torch.int16)   # empty outlier entries to copy from
 RING_SLACK = 4      # recent-window rings beyond max_num_seqs (sequences finished but not yet seen gone)
 STATS: dict = {"kernel_calls": 0, "rows_calls": 0, "rows_written": 0, "overflow": {}, "seconds": {},
-               "window_misses": 0, "window_ring_bytes": 0, "padding_loss": 0.0}
+               "window_misses": 0, "window_ring_bytes": 0, "padding_loss": 0.0, "slot_bytes": {}}
 PROFILE = os.environ.get("KVCALIB_VLLM_PROFILE") == "1"   # wall time of the write and the attention, in STATS
 
 
@@ -68,16 +68,20 @@ class Served:
     folder: str
     manifest: dict
     policy: object
-    layout: vllm_slots.SlotLayout     # layer 0's slot: the page every layer's spec has (slots padded alike)
+    layout: vllm_slots.SlotLayout     # layer 0's slot (the heads, head_dim and sink rows every layer shares)
     cos: torch.Tensor                 # [N, D] float32 at positions 0..N-1 (the manifest's RoPE)
     sin: torch.Tensor
     kernel_rope: torch.Tensor | None  # [N, 2, D / 2]: cos then sin of the D / 2 frequencies (pre-RoPE keys)
     held: dict = field(default_factory=dict)
-    layouts: list = field(default_factory=list)   # every layer's slot (its own fields, the common size)
+    layouts: list = field(default_factory=list)   # every layer's slot (its own fields, its own size)
     window: "Window | None" = None                # the recent window's rings (policy.residual > 0)
 
     def slot(self, layer: int) -> vllm_slots.SlotLayout:
         return self.layouts[layer] if self.layouts else self.layout
+
+    @property
+    def widest(self) -> vllm_slots.SlotLayout:
+        return max(self.layouts or [self.layout], key=lambda s: s.slot_bytes)
 
 
 class Window:
@@ -227,8 +231,6 @@ def served_for(vllm_config) -> Served | None:
                                 f"servable: " + "; ".join(problems))
         rings = int(getattr(vllm_config.scheduler_config, "max_num_seqs", 128) or 128) + RING_SLACK
         _SERVED[key] = served_of(key, artifact, max(int(mc.max_model_len), 1) + 1, rings)
-        m = artifact.manifest["model"]
-        STATS["padding_loss"] = vllm_slots.padding_loss(policy, m["n_kv_heads"], m["head_dim"])
     served = _SERVED[key]
     if served is not None:
         problems = settings_refusals(vllm_config, served.manifest, served.policy)
@@ -252,13 +254,45 @@ class KvcalibCPUBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec):
+        """The packed page of the layer vLLM asks for (_SPEC_LAYER: the runner asks each attention layer for its
+        spec, then this backend to customize it): that layer's slot, so that layers of different bits have pages
+        of their own sizes in one group (vLLM's UniformTypeKVCacheSpecs: every page holds the same tokens). Asked
+        without a layer (vLLM's page-size probes), the widest slot."""
         served = _LAST[0]
         if served is None or type(spec) is not FullAttentionSpec or spec.state_content_bytes is not None:
             return super().customize_spec(spec)
-        lay = served.layout
+        i = _SPEC_LAYER[0]
+        lay = served.slot(i) if i is not None and i < len(served.layouts) else served.widest
+        if i is not None and i < len(served.layouts):
+            STATS["slot_bytes"][i] = lay.slot_bytes
+            natural = {j: served.slot(j).slot_bytes for j in STATS["slot_bytes"]}
+            STATS["padding_loss"] = vllm_slots.padding_loss(STATS["slot_bytes"], natural)
         padded = lay.page_bytes(spec.block_size) if lay.sink_bytes else None   # sinks in the page (no window)
         return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=lay.slot_bytes,
                        page_size_padded=padded)
+
+
+_SPEC_LAYER: list = [None]   # the index of the attention layer vLLM last asked for its KV spec
+
+
+def _layer_aware_specs() -> None:
+    """Wrap vLLM's Attention.get_kv_cache_spec (once per process) to note which layer asks, for customize_spec."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, "_kvcalib", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        m = LAYER.search(str(getattr(self, "layer_name", "")))
+        _SPEC_LAYER[0] = int(m.group(1)) if m else None
+        return original(self, vllm_config)
+
+    get_kv_cache_spec._kvcalib = True
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+_layer_aware_specs()
 
 
 @dataclass
@@ -279,9 +313,14 @@ class KvcalibBuilder(CPUAttentionMetadataBuilder):
         self.served = _LAST[0]
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+        """The step's metadata, made once per step: layers of different page sizes form attention groups of their
+        own, each with a builder, and vLLM builds every group of a step from one CommonAttentionMetadata object (a
+        new one each step) -- the window's plan must run once (a second plan would see the first one's rows)."""
         if self.served is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
+        if _STEP[0] is cm:
+            return _STEP[1]
         qsl = cm.query_start_loc_cpu if cm.query_start_loc_cpu is not None else cm.query_start_loc.cpu()
         seq = cm.seq_lens.cpu()
         q_lens = (qsl[1:] - qsl[:-1]).long()
@@ -294,7 +333,11 @@ class KvcalibBuilder(CPUAttentionMetadataBuilder):
         if self.served.window is not None:
             first = cm.block_table_tensor[:len(md.seq_lens), 0].tolist()
             md.window = self.served.window.plan(first, context.tolist(), md.seq_lens, q_lens.tolist())
+        _STEP[:] = [cm, md]
         return md
+
+
+_STEP: list = [None, None]   # the last step's CommonAttentionMetadata and the PackedMetadata made from it
 
 
 @dataclass
@@ -383,6 +426,11 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             return output
         t0 = time.perf_counter() if PROFILE else 0.0
         lay = self.bind(layer)
+        if kv_cache.shape[-1] != lay.slot.slot_bytes:   # a page of another size than the one customize_spec gave
+            if kv_cache.shape[-1] < lay.slot.slot_bytes:
+                raise PluginRefusal(f"kvcalib vLLM plugin: layer {lay.index}: vLLM's page holds "
+                                    f"{kv_cache.shape[-1]} bytes per token, its slot needs {lay.slot.slot_bytes}")
+            lay.slot = replace(lay.slot, slot_bytes=int(kv_cache.shape[-1]))   # padded: the fields where they are
         md = attn_metadata
         n = md.num_actual_tokens
         old = self._old_rows(md) if md.window is not None else {}

@@ -154,19 +154,20 @@ def test_refusals_name_the_field():
     assert "'channel' with format 'uniform'" in lines[0]
 
 
-def test_layers_of_different_bits_share_one_padded_slot():
-    """Per-layer bits: every layer's slot is the largest layer's (vLLM gives all layers one page size), each layer's
-    fields at its own offsets; the padding's share of the bytes is what padding_loss says."""
+def test_layers_of_different_bits_have_slots_of_their_own_size():
+    """Per-layer bits: each layer's slot is its own size, its fields at its own offsets (vLLM holds a page per layer
+    of that layer's size); padding_loss is the padding in the sizes vLLM was given (none when given their own)."""
     mixed = CachePolicy("mixed", [(key_policy(), value_policy(4)), (key_policy(), value_policy(2))], key_rope="pre")
     assert vs.refusals(mixed) == []
     h, d = 3, 64
     l0, l1 = vs.layout(mixed, h, d, 0), vs.layout(mixed, h, d, 1)
     n0, n1 = vs.natural_bytes(mixed, 0, h, d), vs.natural_bytes(mixed, 1, h, d)
-    assert n0 > n1 and l0.slot_bytes == l1.slot_bytes == n0
+    assert l0.slot_bytes == n0 and l1.slot_bytes == n1 and n0 - n1 == h * (d * 4 // 8 - d * 2 // 8)
     assert l1.value.bits == 2 and l1.value.code_bytes == d * 2 // 8 and l0.value.code_bytes == d * 4 // 8
     assert l1.value.cap == l0.value.cap and l1.key == l0.key
-    assert vs.padding_loss(mixed, h, d) == pytest.approx(1 - (n0 + n1) / (2 * n0))
-    assert vs.padding_loss(kvquant_like(), h, d) == 0.0
+    natural = {0: n0, 1: n1}
+    assert vs.padding_loss({0: n0, 1: n1}, natural) == 0.0
+    assert vs.padding_loss({0: n0, 1: n0}, natural) == pytest.approx(1 - (n0 + n1) / (2 * n0))
 
 
 def test_rotated_and_clipped_values_are_served_rotated_keys_refused(tiny, calib):

@@ -235,6 +235,15 @@ def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(wind
     want = greedy_stepwise(lm.model, policy, prompt, 12)
     assert whole["greedy"] == [want] and chunks["greedy"] == [want] and whole["greedy_again"] == [[want]] * 3
     assert {h["layout"]["value"]["bits"] for h in whole["held"]} == {4, 2}
+    # per-layer bits without padding: each layer's page is its own slot's size, and vLLM's capacity is the memory
+    # (less the window's rings) over the sum of the layers' pages
+    from exporters import vllm_slots
+    sizes = [vllm_slots.layout(policy, 2, 32, i).slot_bytes for i in range(len(policy.layers))]
+    assert len(set(sizes)) == 2 and [h["layout"]["slot_bytes"] for h in whole["held"]] == sizes
+    stats = whole["plugin_stats"]
+    assert stats["padding_loss"] == 0.0 and [stats["slot_bytes"][str(i)] for i in range(len(sizes))] == sizes
+    fits = (KV_BYTES - stats["window_ring_bytes"]) / (whole["block_size"] * sum(sizes)) * whole["block_size"]
+    assert whole["capacity_tokens"] == pytest.approx(fits, rel=0.02)
 
 
 def test_a_damaged_artifact_is_refused_at_load_naming_the_file(packed):
