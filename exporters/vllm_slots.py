@@ -40,7 +40,7 @@ from exporters.codec import Encoded, TensorPolicy, unpack_codes
 from exporters.layout import MAX_ROW_ENTRIES
 
 SENTINEL = MAX_ROW_ENTRIES  # an empty outlier entry: beyond every h * D + d of a served row (checked below)
-CHANNEL_SLACK = 4           # static-bound outlier capacity: this many times the expected count per token
+CHANNEL_SLACK = 8           # static-bound outlier capacity: this many times the expected count per token (docs/vllm.md)
 SERVED_FORMATS = ("nuq", "uniform")
 POLICY_TENSORS = ("codebook", "range", "zero", "lower", "upper")   # a side's static tensors the runtime reads
 

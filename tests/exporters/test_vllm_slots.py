@@ -211,5 +211,5 @@ def test_the_smollm2_slot_of_kvquant_4b_1pct():
     """The slot docs/vllm.md states: kvquant-4b-1pct (keys nuq4 per channel, values nuq4 per token, 1% outliers,
     one sink row) on SmolLM2-135M (3 kv heads, head_dim 64)."""
     lay = vs.layout(kvquant_like(key_policy(4, 0.01, 3, 64), value_policy(4, 0.01)), 3, 64)
-    assert (lay.key.cap, lay.value.cap) == (8, 2)  # ceil(CHANNEL_SLACK 4 * 0.01 * 192); 2 * (floor(0.005 * 191) + 1)
-    assert lay.slot_bytes == 244 and lay.sink_bytes == 768 and lay.page_bytes(16) == 16 * 244 + 768
+    assert (lay.key.cap, lay.value.cap) == (16, 2)  # ceil(CHANNEL_SLACK 8 * 0.01 * 192); 2 * (floor(0.005 * 191) + 1)
+    assert lay.slot_bytes == 276 and lay.sink_bytes == 768 and lay.page_bytes(16) == 16 * 276 + 768
