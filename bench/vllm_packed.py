@@ -240,10 +240,10 @@ def run(args, ckpt: Path, artifact, log) -> int:
                 f"{r['decode']['tokens_per_s']:>14.2f}{r['decode']['tokens_per_s'] / a['decode']['tokens_per_s']:>8.3f}"
                 f"{r['decode']['prefill_s']:>11.2f}")
 
-    bits = implied_bits(artifact, args.decode_context)
-    log(f"\nwhat the bits imply: {bits:.3f} bits per cached element at {args.decode_context} tokens (the ledger: sink "
-        f"and recent rows, scales, outliers as measured); vLLM's capacity against (model bits / {bits:.3f}) x auto's; "
-        f"capacity lost to padding every layer's slot to the largest: {stats_padding(runs, dtypes):.1%}; the recent "
+    bits = implied_bits(artifact, args.capacity_context)
+    log(f"\nwhat the bits imply: {bits:.3f} bits per cached element at {args.capacity_context} tokens (the ledger: "
+        f"sink and recent rows, scales, outliers as measured); vLLM's capacity against (model bits / {bits:.3f}) x "
+        f"auto's; padding in the layers' slots: {stats_padding(runs, dtypes):.1%}; the recent "
         f"window's rings: {ring_bytes(runs, dtypes) / 2**20:.1f} MiB (max_num_seqs {args.max_num_seqs}), taken from "
         f"kv_cache_memory_bytes")
     implied = {}

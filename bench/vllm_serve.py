@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     packed.add_argument("--greedy-lengths", default="1500", help="prompt lengths of the greedy comparison")
     packed.add_argument("--decode-context", type=int, default=8000, help="prompt tokens before the decode timing")
     packed.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded for the decode timing")
+    packed.add_argument("--capacity-context", type=int, default=8192, help="the context whose bits (sink and recent "
+                        "rows counted over it) the capacity is held against")
     packed.add_argument("--perturb-seeds", default="0,1,2", help="the prediction's perturbation seeds (its chaos)")
     packed.add_argument("--decode-batch", type=int, default=8, help="requests decoded together for the batch timing")
     packed.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs in every configuration (the "

@@ -107,15 +107,17 @@ def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
     return best
 
 
-def decode_rate_batch(llm, prompt: list[int], new_tokens: int, batch: int) -> dict:
-    """Decode tokens per second of `batch` requests of `prompt` served together: the steps after every request has
-    its first token each decode one token per request; their wall time is the decode time."""
+def decode_rate_batch(llm, prompt, new_tokens: int, batch: int) -> dict:
+    """Decode tokens per second of `batch` requests served together -- of `prompt` each, or of prompt[r] (a list of
+    prompts: distinct requests, whose blocks no prefix cache shares): the steps after every request has its first
+    token each decode one token per request; their wall time is the decode time."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
+    prompts = prompt if prompt and isinstance(prompt[0], list) else [prompt] * batch
     for r in range(batch):
-        engine.add_request(f"decode-batch-{r}", TokensPrompt(prompt_token_ids=prompt),
+        engine.add_request(f"decode-batch-{r}", TokensPrompt(prompt_token_ids=prompts[r]),
                            SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True))
     counts: dict = {}
     decode_s, prefill_s, decoded = 0.0, 0.0, 0
@@ -133,7 +135,7 @@ def decode_rate_batch(llm, prompt: list[int], new_tokens: int, batch: int) -> di
             decoded += sum(counts.values()) - before
         else:
             prefill_s += dt
-    return {"context": len(prompt), "batch": batch, "new_tokens": decoded, "prefill_s": prefill_s,
+    return {"context": len(prompts[0]), "batch": batch, "new_tokens": decoded, "prefill_s": prefill_s,
             "decode_s": decode_s, "tokens_per_s": decoded / max(decode_s, 1e-9)}
 
 
@@ -145,7 +147,8 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
                   + [len(p["prompt"]) + len(p["answer"]) for p in job.get("passkeys", [])] + [64])
     decode = job.get("decode")
     if decode:
-        longest = max(longest, len(decode["prompt"]) + decode["new_tokens"] + 1)
+        longest = max([longest, len(decode["prompt"]) + decode["new_tokens"] + 1]
+                      + [len(p) + decode["new_tokens"] + 1 for p in decode.get("batch_prompts", [])])
     kw = {}
     if run.get("kv_cache_memory_bytes"):   # the same cache memory for every configuration: capacities compare
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)   # (the legacy variable would override the argument)
@@ -187,7 +190,8 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
     if decode and not job.get("scales_only"):
         out["decode"] = decode_rate(llm, decode["prompt"], decode["new_tokens"], decode.get("repeats", 2))
         if decode.get("batch", 1) > 1:
-            out["decode_batch"] = decode_rate_batch(llm, decode["prompt"], decode["new_tokens"], decode["batch"])
+            out["decode_batch"] = decode_rate_batch(llm, decode.get("batch_prompts") or decode["prompt"],
+                                                    decode["new_tokens"], decode["batch"])
     if plugin is not None:
         out["plugin_stats"] = json.loads(json.dumps(plugin.STATS))
     del llm

@@ -71,7 +71,7 @@ def flags() -> tuple[str, ...]:
             raise OSError(f"KVCALIB_KERNEL_SANITIZE must be one of {sorted(SANITIZERS)}, got {sanitize!r}")
         out += SANITIZERS[sanitize]
     return out
-ABI = 2
+ABI = 3
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
 
@@ -104,7 +104,8 @@ class _Call(ctypes.Structure):
                 ("B", ctypes.c_int64), ("H_kv", ctypes.c_int64), ("G", ctypes.c_int64), ("D", ctypes.c_int64),
                 ("scaling", ctypes.c_float), ("lam", ctypes.c_void_p), ("rope", ctypes.c_void_p),
                 ("rope_n", ctypes.c_int64), ("sink", _Rows), ("recent", _Rows), ("ks", _Side), ("vs", _Side),
-                ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16), ("split_v", ctypes.c_int32)]
+                ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16), ("split_v", ctypes.c_int32),
+                ("page_b", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("recents", ctypes.c_void_p)]
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
@@ -389,13 +390,16 @@ def _make_side(p, flags: dict, n_kv: int, d: int) -> tuple[_Side, list]:
 
 def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
            outliers: tuple[bool, bool], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
-           lam: torch.Tensor | None, chunk: int, threads: int, keep: list, split: bool = False) -> torch.Tensor:
+           lam: torch.Tensor | None, chunk: int, threads: int, keep: list, split: bool = False,
+           page_b: torch.Tensor | None = None, sinks: list | None = None, recents: list | None = None) -> torch.Tensor:
     """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (serving/pages.py's fields), queries
     q [B, H_q, D], the policies' static tensors, which sides store outliers, the RoPE table [N, 2, D / 2] (pre-RoPE
     keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32; split: [2, B, H_q, D], the value sum of
     the sink and residual rows, then that of the pages (rotated values: the caller un-rotates the second). The one
     entry to the library's decode, for the serving cache (decode_attention) and the vLLM plugin
-    (serving/vllm_backend.py, never split)."""
+    (serving/vllm_backend.py: every decoding sequence of a step in one call -- page_b [n_pages] int64, each page's
+    sequence, its pages of its own; sinks / recents, B _Rows each, every sequence's own fp16 rows in place of
+    sink / recent)."""
     lib = _load()   # loaded once (a caller that never asked available() first still gets it)
     if lib is None:
         raise InputError(f"the CPU kernel is not available: {_LIB['reason']}")
@@ -422,6 +426,18 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
                  0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
     call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
     call.split_v = int(split)
+    if page_b is not None:
+        if page_b.dtype != torch.int64 or not page_b.is_contiguous() or page_b.numel() < n_pages:
+            raise InputError(f"page_b: the CPU kernel reads n_pages={n_pages} int64 sequence indices, contiguous; got "
+                             f"{page_b.dtype} of {page_b.numel()}")
+        call.page_b = page_b.data_ptr()
+    for name, rows in (("sinks", sinks), ("recents", recents)):
+        if rows is not None:
+            if len(rows) != b:
+                raise InputError(f"{name}: the CPU kernel reads one _Rows per sequence (B={b}), got {len(rows)}")
+            arr = (_Rows * b)(*rows)
+            keep.append(arr)
+            setattr(call, name, ctypes.addressof(arr))
     out = torch.empty(*((2,) if split else ()), b, h_q, d, dtype=torch.float32)
     rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
     if rc == -4:

@@ -440,23 +440,25 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             t1 = time.perf_counter()
             STATS["seconds"]["write"] = STATS["seconds"].get("write", 0.0) + t1 - t0
         qsl, seq = md.query_start_loc, md.seq_lens
+        win_of = (lambda i: None) if md.window is None else (  # noqa: E731
+            lambda i: (md.window["rings"][i], md.window["lo"][i]))
+        one = md.shared.get("decoding")
+        if one is None:   # the sequences with one new token this step (the same in every layer)
+            one = md.shared["decoding"] = [i for i in range(len(seq)) if qsl[i + 1] - qsl[i] == 1]
+        if one:   # all of them in one launch
+            at = [qsl[i] for i in one]
+            o = self._decode_many(lay, query[at], [(md.block_table[i], seq[i], ("table", i), win_of(i)) for i in one],
+                                  kv_cache, md.shared)
+            output[at] = o.to(output.dtype)
+            if PROFILE:
+                STATS["seconds"]["decode"] = STATS["seconds"].get("decode", 0.0) + time.perf_counter() - t1
         for i in range(len(seq)):
             a, b = qsl[i], qsl[i + 1]
-            if b == a:
+            if b - a <= 1:
                 continue
-            win = None
-            if md.window is not None:
-                win = (md.window["rings"][i], md.window["lo"][i])
-            if b - a == 1:
-                o = self._decode_one(lay, query[a:b], md.block_table[i], seq[i], kv_cache, md.shared, ("table", i),
-                                     win)
-                if PROFILE:
-                    STATS["seconds"]["decode"] = STATS["seconds"].get("decode", 0.0) + time.perf_counter() - t1
-            else:
-                new = None
-                if win is not None:
-                    new = (key[a:b].to(torch.float16), value[a:b].to(torch.float16))
-                o = self._attend_rows(lay, query[a:b], md.block_table[i], seq[i], kv_cache, win, old.get(i), new)
+            win = win_of(i)   # a prefill chunk: its rows decoded, each query reading what the evaluation reads
+            new = None if win is None else (key[a:b].to(torch.float16), value[a:b].to(torch.float16))
+            o = self._attend_rows(lay, query[a:b], md.block_table[i], seq[i], kv_cache, win, old.get(i), new)
             output[a:b] = o.to(output.dtype)
         if PROFILE:
             STATS["seconds"]["attend"] = STATS["seconds"].get("attend", 0.0) + time.perf_counter() - t1
@@ -635,54 +637,70 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
 
     def _decode_one(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, shared: dict | None = None,
                     key=None, win: tuple | None = None) -> torch.Tensor:
-        """The sequence's one new token (position t - 1) through the fused kernel: the sink rows (fp16, the first
-        page's), the rows [n_sink, e) decoded from their slots and, with a recent window, the rows [e, t) in fp16
-        from the sequence's ring (win: (ring, lo); e = max(e(t), lo))."""
+        """One sequence's new token (position t - 1): _decode_many of that one."""
+        return self._decode_many(lay, q[None] if q.dim() == 2 else q, [(block_row, t, key, win)], kv_cache, shared)[0]
+
+    def _decode_many(self, lay: _Layer, q, seqs: list, kv_cache: torch.Tensor, shared: dict | None = None):
+        """Every decoding sequence's one new token in one fused-kernel launch: q [n, H_q, D] (a query per
+        sequence; from a [1, H_q, D] slice per sequence), seqs [(block_row, t, key, win)] -- position t - 1; key:
+        the step's table key of the sequence (its page table is the same in every layer), win: (ring, lo) with a
+        recent window. Each sequence reads its sink rows (fp16, its ring's or its first page's), the rows
+        [n_sink, e) decoded from their slots and, with a window, the rows [e, t) in fp16 from its ring
+        (e = max(e(t), lo)). -> [n, H_q, D] float32."""
         sl = lay.slot
-        end = t
-        recent = cpu_attention._Rows()
-        keep: list = []
-        sink = cpu_attention._Rows()
         h, d = sl.n_kv_heads, sl.head_dim
-        if win is not None:
-            window = self.served.window
-            ring, lo = win
-            end = max(window.encoded_end(t), min(lo, t - 1), min(sl.n_sink, t))
-            if end < t:
-                rows = self.ring[ring, window.index(torch.arange(end, t))]            # [m, 2, H, D] fp16
-                k, v = rows[:, 0].permute(1, 0, 2)[None], rows[:, 1].permute(1, 0, 2)[None]
-                recent = cpu_attention._rows((k, v), 1, h, d, "recent")
-                keep.append(rows)
-            s0 = min(sl.n_sink, t)
-            if s0:   # the sequence's sink rows: the first rows of its ring, in place
-                kp = self.ring[ring].data_ptr()
-                strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
-                sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1), s0)
-        tkey = None if key is None else (key, sl, end)
-        held = None if shared is None else shared.get(tkey)
-        if held is None:
-            held = self._page_table(block_row, end, kv_cache, sl)
-            if shared is not None:
-                shared[tkey] = held
-        rel, byte_f, half_f, sink_rel, s0 = held
         base = kv_cache.data_ptr()
-        table = rel + byte_f * base + half_f * (base // 2)
-        if s0 and sl.sink_in_page:
-            kp = base + sink_rel
-            strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
-            sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1), s0)
+        strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
+        keep: list = []
+        tables, page_b, sinks, recents = [], [], [], []
+        for j, (block_row, t, key, win) in enumerate(seqs):
+            end = t
+            recent = cpu_attention._Rows()
+            sink = cpu_attention._Rows()
+            if win is not None:
+                window = self.served.window
+                ring, lo = win
+                end = max(window.encoded_end(t), min(lo, t - 1), min(sl.n_sink, t))
+                if end < t:
+                    rows = self.ring[ring, window.index(torch.arange(end, t))]            # [m, 2, H, D] fp16
+                    k, v = rows[:, 0].permute(1, 0, 2)[None], rows[:, 1].permute(1, 0, 2)[None]
+                    recent = cpu_attention._rows((k, v), 1, h, d, "recent")
+                    keep.append(rows)
+                s0 = min(sl.n_sink, t)
+                if s0:   # the sequence's sink rows: the first rows of its ring, in place
+                    kp = self.ring[ring].data_ptr()
+                    sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0)
+            tkey = None if key is None else (key, sl, end)
+            held = None if shared is None else shared.get(tkey)
+            if held is None:
+                held = self._page_table(block_row, end, kv_cache, sl)
+                if shared is not None:
+                    shared[tkey] = held
+            rel, byte_f, half_f, sink_rel, s0 = held
+            if rel.shape[0]:
+                tables.append(rel + byte_f * base + half_f * (base // 2))
+                page_b.append(torch.full((rel.shape[0],), j, dtype=torch.int64))
+            if s0 and sl.sink_in_page:
+                kp = base + sink_rel
+                sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0)
+            sinks.append(sink)
+            recents.append(recent)
+        table = torch.cat(tables) if tables else torch.zeros(1, N_PAGE, dtype=torch.int64)
+        n_pages = sum(x.shape[0] for x in tables)
+        pb = torch.cat(page_b) if page_b else torch.zeros(1, dtype=torch.int64)
         (kcap, vcap), offs = self._page_consts(kv_cache.shape[2], sl)
-        keep += [kcap, vcap, offs]
+        keep += [kcap, vcap, offs, table, pb]
         split = lay.unrotate is not None
-        out = cpu_attention.launch(table if table.shape[0] else torch.zeros(1, N_PAGE, dtype=torch.int64),
-                                   table.shape[0], q, sl.n_kv_heads, self.scale, lay.key, lay.value,
-                                   (sl.key.cap > 0, sl.value.cap > 0), self.served.kernel_rope, sink,
-                                   recent, None, cpu_attention.CHUNK, torch.get_num_threads(), keep, split=split)
+        out = cpu_attention.launch(table, n_pages, q, sl.n_kv_heads, self.scale, lay.key, lay.value,
+                                   (sl.key.cap > 0, sl.value.cap > 0), self.served.kernel_rope, cpu_attention._Rows(),
+                                   cpu_attention._Rows(), None, cpu_attention.CHUNK, torch.get_num_threads(), keep,
+                                   split=split, page_b=pb, sinks=sinks, recents=recents)
         STATS["kernel_calls"] += 1
+        STATS["kernel_rows"] = STATS.get("kernel_rows", 0) + len(seqs)
         if split:
             from serving.inputs import finish
             out = finish(out[0], out[1], lay.unrotate)
-        return out[0]
+        return out
 
     def _attend_rows(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, win: tuple | None = None,
                      old: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:
@@ -751,15 +769,20 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             n_dec = max(dec_end, s0)                                             # columns before the fp16 rows
             col = torch.cat([torch.arange(n_dec), torch.arange(w0, t)])         # each column's position
             is_fp = torch.arange(col.numel()) >= n_dec
-            is_sink = col < s0
             for a in range(0, nq, QUERY_CHUNK):
                 b = min(nq, a + QUERY_CHUNK)
                 p = qpos[a:b, None]
                 wl = win_lo[a:b, None]
-                mask = (col[None] <= p) & ((is_sink & ~is_fp)[None] | (~is_fp[None] & (col[None] < wl))
-                                           | (is_fp[None] & (col[None] >= wl)))
-                outs.append(F.scaled_dot_product_attention(qq[:, :, a:b], kk, vv, attn_mask=mask, scale=self.scale,
-                                                           enable_gqa=True))
+                # only the columns some query of the chunk reads: decoded [0, its largest wl) (the sinks among them),
+                # fp16 from its smallest wl to its last position -- the rest are masked for all of them
+                d_hi = max(s0, min(n_dec, int(win_lo[b - 1])))
+                f_lo, f_hi = n_dec + max(int(win_lo[a]) - w0, 0), n_dec + (c + b - w0)
+                cols = torch.cat([torch.arange(d_hi), torch.arange(f_lo, f_hi)])
+                cc, fp = col[cols], is_fp[cols]
+                mask = (cc[None] <= p) & (((cc < s0) & ~fp)[None] | (~fp[None] & (cc[None] < wl))
+                                          | (fp[None] & (cc[None] >= wl)))
+                outs.append(F.scaled_dot_product_attention(qq[:, :, a:b], kk[:, :, cols], vv[:, :, cols],
+                                                           attn_mask=mask, scale=self.scale, enable_gqa=True))
         STATS["rows_calls"] += 1
         return torch.cat(outs, 2)[0].permute(1, 0, 2)
 

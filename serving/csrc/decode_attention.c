@@ -42,7 +42,7 @@ enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
 #define MAX_G 32
 #define MAX_ROW_ENTRIES 32767   /* int16 outlier indices h * D + d: H * D at most this (exporters/layout.py's,
                                    compared by tests/serving/test_untrusted_binding.py) */
-#define KVCALIB_ABI 2
+#define KVCALIB_ABI 3
 
 typedef _Float16 half;
 
@@ -76,6 +76,10 @@ typedef struct {
     Side ks, vs;
     float klut16[16], vlut16[16];   /* the codebooks padded to 16 (filled by kvcalib_decode) */
     int32_t split_v;     /* 1: out holds [2, B, H_kv * G, D], the fp16 rows' part then the pages' part */
+    const int64_t *page_b;        /* NULL: every page holds rows of all B sequences (b-strided); else per page the
+                                     one sequence it belongs to (a page of its own: b-stride unused, outlier rows
+                                     page-local) -- the vLLM plugin's pages, every decoding sequence in one call */
+    const Rows *sinks, *recents;  /* NULL: sink / recent above (b-strided); else [B], each sequence's own rows */
 } Call;
 
 int kvcalib_abi(void) { return KVCALIB_ABI; }
@@ -287,47 +291,104 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return s;
 }
 
+#ifdef __AVX512F__
+/* The 16 horizontal sums of v[0..15] as one vector (lane t: the sum of v[t]'s lanes), by a tree of adds: halves of
+ * pairs, then quarters, then within 128-bit blocks; lane 4j + k then holds the sum of v[4k + j], put in order by
+ * one permutation. Each sum is a different order of the same float32 adds as a lane-by-lane reduction. */
+static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, s);
+}
+#endif
+
 /* One tile of nt keys K [nt, D] and values V [nt, D] into the running state of the G query heads qs [G, D]
- * (already multiplied by the scaling). */
+ * (already multiplied by the scaling): the tile's scores (each key row read once for the G heads), their max and
+ * weights, then each head's accumulator read and written once per tile -- acc * alpha + sum_t p_t V[t], the rows
+ * summed in two interleaved chains (with AVX-512, 16 channels at a time in registers). */
 static inline __attribute__((always_inline)) void tile_update(State *st, const float *qs, const float *K, const float *V, int nt, int64_t G,
                                int64_t D) {
     float s[MAX_G][TILE];
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = qs + g * D;
-        for (int t = 0; t < nt; t++) {
-            const float *k = K + t * D;
-            s[g][t] = dot(qg, k, D);
+#ifdef __AVX512F__
+    if (D % 16 == 0 && TILE == 16) {   /* 16 rows' dots at once: 16 lane-wise accumulators, one tree of sums */
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qs + g * D;
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 qd = _mm512_loadu_ps(qg + d);
+                for (int t = 0; t < nt; t++) acc[t] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(K + t * D + d), acc[t]);
+            }
+            _mm512_storeu_ps(s[g], hsum16(acc));
         }
+    } else
+#endif
+    for (int t = 0; t < nt; t++) {
+        const float *k = K + t * D;
+        for (int64_t g = 0; g < G; g++) s[g][t] = dot(qs + g * D, k, D);
+    }
+    for (int64_t g = 0; g < G; g++) {
         float mt = s[g][0];
         for (int t = 1; t < nt; t++) mt = s[g][t] > mt ? s[g][t] : mt;
         const float m_new = st->m[g] > mt ? st->m[g] : mt;
         const float alpha = st->m[g] == -INFINITY ? 0.f : exp_neg(st->m[g] - m_new);
         float sum = 0.f;
+        float *p = s[g];
 #pragma omp simd reduction(+ : sum)
         for (int t = 0; t < nt; t++) {
-            s[g][t] = exp_neg(s[g][t] - m_new);
-            sum += s[g][t];
+            p[t] = exp_neg(p[t] - m_new);
+            sum += p[t];
         }
         st->l[g] = st->l[g] * alpha + sum;
         st->m[g] = m_new;
         float *acc = st->acc + g * D;
-        for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
-        for (int t = 0; t < nt; t++) {
-            const float p = s[g][t];
-            const float *v = V + t * D;
-            for (int64_t d = 0; d < D; d++) acc[d] += p * v[d];
+#ifdef __AVX512F__
+        if (D % 16 == 0) {
+            const __m512 al = _mm512_set1_ps(alpha);
+            for (int64_t d = 0; d < D; d += 16) {
+                __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + d), al), a1 = _mm512_setzero_ps();
+                int t = 0;
+                for (; t + 1 < nt; t += 2) {
+                    a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(V + t * D + d), a0);
+                    a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[t + 1]), _mm512_loadu_ps(V + (t + 1) * D + d), a1);
+                }
+                if (t < nt) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_loadu_ps(V + t * D + d), a0);
+                _mm512_storeu_ps(acc + d, _mm512_add_ps(a0, a1));
+            }
+            continue;
+        }
+#endif
+        for (int64_t d = 0; d < D; d++) {
+            float a0 = acc[d] * alpha, a1 = 0.f;
+            int t = 0;
+            for (; t + 1 < nt; t += 2) {
+                a0 += p[t] * V[t * D + d];
+                a1 += p[t + 1] * V[(t + 1) * D + d];
+            }
+            if (t < nt) a0 += p[t] * V[t * D + d];
+            acc[d] = a0 + a1;
         }
     }
 }
 
 static inline __attribute__((always_inline)) void run_rows_d(const Call *c, const Rows *rw, const Item *it,
-                                                           const float *qs, State *st, float *K, float *V,
-                                                           const int64_t D) {
+                                                           const int64_t b, const float *qs, State *st, float *K,
+                                                           float *V, const int64_t D) {
     for (int64_t r = it->r0; r < it->r1; r += TILE) {
         const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
         for (int t = 0; t < nt; t++) {
-            const half *k = rw->k + it->b * rw->ks[0] + it->h * rw->ks[1] + (r + t) * rw->ks[2];
-            const half *v = rw->v + it->b * rw->vs[0] + it->h * rw->vs[1] + (r + t) * rw->vs[2];
+            const half *k = rw->k + b * rw->ks[0] + it->h * rw->ks[1] + (r + t) * rw->ks[2];
+            const half *v = rw->v + b * rw->vs[0] + it->h * rw->vs[1] + (r + t) * rw->vs[2];
             for (int64_t d = 0; d < D; d++) {
                 K[t * D + d] = (float)k[d * rw->ks[3]];
                 V[t * D + d] = (float)v[d * rw->vs[3]];
@@ -345,22 +406,23 @@ static inline __attribute__((always_inline)) int run_page_d(const Call *c, const
     const int64_t start = pg[0];
     const int64_t *fk = pg + 2, *fv = pg + 2 + N_SIDE;
     const float *lam = c->lam ? c->lam + it->h * D : NULL;
+    const int64_t pB = c->page_b ? 1 : c->B, pb = c->page_b ? 0 : it->b;   /* the page's own rows: page-local */
     for (int64_t r = it->r0; r < it->r1; r += TILE) {
         const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
         for (int t = 0; t < nt; t++) {
-            float *k = K + t * D;
-            bad |= decode_row(&c->ks, c->klut16, fk, c->B, D, it->b, it->h, r + t, k);
+            float *__restrict k = K + t * D;
+            bad |= decode_row(&c->ks, c->klut16, fk, pB, D, pb, it->h, r + t, k);
             if (lam)
                 for (int64_t d = 0; d < D; d++) k[d] *= lam[d];
             if (c->rope) {   /* rotate-half at the row's position: x1 cos - x2 sin, x2 cos + x1 sin */
-                const float *cs = c->rope + (start + r + t) * D, *sn = cs + half_d;
+                const float *__restrict cs = c->rope + (start + r + t) * D, *__restrict sn = cs + half_d;
                 for (int64_t d = 0; d < half_d; d++) {
                     const float x1 = k[d], x2 = k[d + half_d];
                     k[d] = x1 * cs[d] - x2 * sn[d];
                     k[d + half_d] = x2 * cs[d] + x1 * sn[d];
                 }
             }
-            bad |= decode_row(&c->vs, c->vlut16, fv, c->B, D, it->b, it->h, r + t, V + t * D);
+            bad |= decode_row(&c->vs, c->vlut16, fv, pB, D, pb, it->h, r + t, V + t * D);
         }
         if (bad) return 1;
         tile_update(st, qs, K, V, nt, c->G, D);
@@ -370,12 +432,14 @@ static inline __attribute__((always_inline)) int run_page_d(const Call *c, const
 
 /* The head dimensions of the models we serve as compile-time constants (the loops over D unrolled, the running
  * accumulator in registers); any other even D through the same code with D at run time. */
-static void run_rows(const Call *c, const Rows *rw, const Item *it, const float *qs, State *st, float *K, float *V) {
+/* b: the rows' sequence index (0 for a sequence's own Rows, it->b for b-strided ones) */
+static void run_rows(const Call *c, const Rows *rw, const Item *it, int64_t b, const float *qs, State *st, float *K,
+                     float *V) {
     switch (c->D) {
-    case 64: run_rows_d(c, rw, it, qs, st, K, V, 64); break;
-    case 128: run_rows_d(c, rw, it, qs, st, K, V, 128); break;
-    case 256: run_rows_d(c, rw, it, qs, st, K, V, 256); break;
-    default: run_rows_d(c, rw, it, qs, st, K, V, c->D);
+    case 64: run_rows_d(c, rw, it, b, qs, st, K, V, 64); break;
+    case 128: run_rows_d(c, rw, it, b, qs, st, K, V, 128); break;
+    case 256: run_rows_d(c, rw, it, b, qs, st, K, V, 256); break;
+    default: run_rows_d(c, rw, it, b, qs, st, K, V, c->D);
     }
 }
 
@@ -408,27 +472,39 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
         c->vlut16[i] = c->vs.fmt == FMT_NUQ && c->vs.bits <= 4 && i < (1 << c->vs.bits) ? c->vs.lut[i] : 0.f;
     }
     const int64_t B = c->B, H = c->H_kv, G = c->G, D = c->D;
-    /* work items, grouped by (sequence, kv head) so that the merge reads each group's partials in a run */
-    int64_t per = 0;
-    if (c->sink.n) per++;
-    if (c->recent.n) per++;
-    for (int64_t i = 0; i < c->n_pages; i++) per += (c->pages[i * N_PAGE + 1] + chunk - 1) / chunk;
-    if (per == 0) per = 1;
-    const int64_t n_items = B * H * per;
-    Item *items = (Item *)malloc(sizeof(Item) * (size_t)n_items);
-    float *part = (float *)malloc(sizeof(float) * (size_t)(n_items * G * (D + 2)));
-    if (!items || !part) { free(items); free(part); return -2; }
+    if (c->page_b)
+        for (int64_t i = 0; i < c->n_pages; i++)
+            if (c->page_b[i] < 0 || c->page_b[i] >= B) return -1;
+    /* work items, grouped by (sequence, kv head) so that the merge reads each group's partials in a run: the group
+     * of (b, h) is items [first[b * H + h], first[b * H + h + 1]) (at least one: an empty item when nothing is held) */
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(B * H + 1));
+    if (!first) return -2;
+    int64_t n_items = 0;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t per = 0;
+        if ((c->sinks ? c->sinks[b].n : c->sink.n) > 0) per++;
+        if ((c->recents ? c->recents[b].n : c->recent.n) > 0) per++;
+        for (int64_t i = 0; i < c->n_pages; i++)
+            if (!c->page_b || c->page_b[i] == b) per += (c->pages[i * N_PAGE + 1] + chunk - 1) / chunk;
+        if (per == 0) per = 1;
+        for (int64_t h = 0; h < H; h++) { first[b * H + h] = n_items; n_items += per; }
+    }
+    first[B * H] = n_items;
+    Item *items = (Item *)malloc(sizeof(Item) * (size_t)(n_items ? n_items : 1));
+    float *part = (float *)malloc(sizeof(float) * (size_t)((n_items ? n_items : 1) * G * (D + 2)));
+    if (!items || !part) { free(items); free(part); free(first); return -2; }
     int64_t k = 0;
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < H; h++) {
-            const int64_t k0 = k;
-            if (c->sink.n) items[k++] = (Item){b, h, -1, 0, c->sink.n};
+            const int64_t ns = c->sinks ? c->sinks[b].n : c->sink.n, nr = c->recents ? c->recents[b].n : c->recent.n;
+            if (ns > 0) items[k++] = (Item){b, h, -1, 0, ns};
             for (int64_t i = 0; i < c->n_pages; i++) {
+                if (c->page_b && c->page_b[i] != b) continue;
                 const int64_t n = c->pages[i * N_PAGE + 1];
                 for (int64_t a = 0; a < n; a += chunk) items[k++] = (Item){b, h, i, a, a + chunk < n ? a + chunk : n};
             }
-            if (c->recent.n) items[k++] = (Item){b, h, -2, 0, c->recent.n};
-            while (k < k0 + per) items[k++] = (Item){b, h, -3, 0, 0};   /* nothing held: an empty item */
+            if (nr > 0) items[k++] = (Item){b, h, -2, 0, nr};
+            while (k < first[b * H + h + 1]) items[k++] = (Item){b, h, -3, 0, 0};   /* nothing held: an empty item */
         }
     int corrupt = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
@@ -446,35 +522,37 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
             for (int64_t d = 0; d < D; d++) qs[g * D + d] = qg[d] * c->scaling;
         }
         memset(pacc, 0, sizeof(float) * (size_t)(G * D));
-        if (it->kind == -1) run_rows(c, &c->sink, it, qs, &st, K, V);
-        else if (it->kind == -2) run_rows(c, &c->recent, it, qs, &st, K, V);
+        if (it->kind == -1)
+            run_rows(c, c->sinks ? &c->sinks[it->b] : &c->sink, it, c->sinks ? 0 : it->b, qs, &st, K, V);
+        else if (it->kind == -2)
+            run_rows(c, c->recents ? &c->recents[it->b] : &c->recent, it, c->recents ? 0 : it->b, qs, &st, K, V);
         else if (it->kind >= 0 && run_page(c, it, qs, &st, K, V)) {
 #pragma omp atomic write
             corrupt = 1;
         }
         for (int64_t g = 0; g < G; g++) { pm[g] = st.m[g]; pl[g] = st.l[g]; }
     }
-    if (corrupt) { free(items); free(part); return -5; }
+    if (corrupt) { free(items); free(part); free(first); return -5; }
     /* merge each (sequence, kv head)'s items: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i */
 #pragma omp parallel for num_threads(n_threads)
     for (int64_t bh = 0; bh < B * H; bh++) {
         for (int64_t g = 0; g < G; g++) {
             float M = -INFINITY;
-            for (int64_t j = 0; j < per; j++) {
-                const float m = part[(bh * per + j) * G * (D + 2) + g];
+            for (int64_t j = first[bh]; j < first[bh + 1]; j++) {
+                const float m = part[j * G * (D + 2) + g];
                 M = m > M ? m : M;
             }
             float *o = out + (bh * G + g) * D;
             float *o_enc = c->split_v ? o + B * H * G * D : o;   /* where the pages' items add */
             for (int64_t d = 0; d < D; d++) o[d] = o_enc[d] = 0.f;
             float L = 0.f;
-            for (int64_t j = 0; j < per; j++) {
-                const float *pm = part + (bh * per + j) * G * (D + 2);
+            for (int64_t j = first[bh]; j < first[bh + 1]; j++) {
+                const float *pm = part + j * G * (D + 2);
                 if (pm[g] == -INFINITY) continue;
                 const float w = expf(pm[g] - M);
                 L += w * pm[G + g];
                 const float *acc = pm + 2 * G + g * D;
-                float *dst = items[bh * per + j].kind >= 0 ? o_enc : o;
+                float *dst = items[j].kind >= 0 ? o_enc : o;
                 for (int64_t d = 0; d < D; d++) dst[d] += w * acc[d];
             }
             for (int64_t d = 0; d < D; d++) o[d] /= L;
@@ -484,6 +562,7 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
     }
     free(items);
     free(part);
+    free(first);
     return 0;
 }
 

@@ -206,7 +206,8 @@ def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(wind
     tokens, equal to the project's own cache fed the prompt one token at a time (serving.blockwise.greedy_stepwise);
     prefix caching asked for is turned off by the plugin (a cached block holds no fp16 window) and the prompt
     served three more times continues alike; no window row is lost. The prompt: 1,500 tokens, 12 blocks of vLLM's
-    128 (the chunks: 47 of 32 tokens)."""
+    128 (the chunks: 47 of 32 tokens), served together with two more (300 and 700 tokens): steps where several
+    sequences decode, all of them in one kernel launch per layer, each continuing as when served alone."""
     from serving.blockwise import greedy_stepwise
     from stages.evaluate import policy_logprobs
 
@@ -214,12 +215,13 @@ def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(wind
     g = torch.Generator().manual_seed(5)
     window = torch.randint(100, 20000, (200,), generator=g).tolist()
     prompt = torch.randint(100, 20000, (1500,), generator=g).tolist()
+    others = [torch.randint(100, 20000, (n,), generator=g).tolist() for n in (300, 700)]
     runs = {}
     for name, extra in (("whole", {}), ("chunks", {"max_num_batched_tokens": 32, "max_num_seqs": 4})):
-        job = run_job(name, window) | {"prompts": [prompt], "max_new_tokens": 12}
+        job = run_job(name, window) | {"prompts": [prompt, *others], "max_new_tokens": 12}
         job["runs"][0] |= extra
-        if name == "whole":   # the prompt four times: once, then three more with prefix caching asked for
-            job |= {"prefix_caching": True, "prompts": [prompt], "again": 3}
+        if name == "whole":   # the prompts four times: once, then three more with prefix caching asked for
+            job |= {"prefix_caching": True, "again": 3}
         proc = vllm_worker(ckpt, job, tmp / f"{name}.json")
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         runs[name] = json.loads((tmp / f"{name}.json").read_text())["runs"][0]
@@ -232,8 +234,10 @@ def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(wind
     ours = float(-lp[:-1].gather(1, ids[0, 1:, None]).sum())
     for run in (whole, chunks):
         assert run["window_nll"][0] == pytest.approx(ours, rel=2e-5), (run["name"], run["window_nll"], ours)
-    want = greedy_stepwise(lm.model, policy, prompt, 12)
-    assert whole["greedy"] == [want] and chunks["greedy"] == [want] and whole["greedy_again"] == [[want]] * 3
+    want = [greedy_stepwise(lm.model, policy, p, 12) for p in (prompt, *others)]
+    assert whole["greedy"] == want and chunks["greedy"] == want and whole["greedy_again"] == [want] * 3
+    for run in (whole, chunks):   # some launch served several decoding sequences at once
+        assert run["plugin_stats"]["kernel_rows"] > run["plugin_stats"]["kernel_calls"], run["plugin_stats"]
     assert {h["layout"]["value"]["bits"] for h in whole["held"]} == {4, 2}
     # per-layer bits without padding: each layer's page is its own slot's size, and vLLM's capacity is the memory
     # (less the window's rings) over the sum of the layers' pages
