@@ -49,6 +49,8 @@ def window_nll(llm, windows: list[list[int]]) -> list[float]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if not windows:
+        return []
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows], params, use_tqdm=False)
     nll = []
@@ -64,6 +66,8 @@ def greedy(llm, prompts: list[list[int]], n: int) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if not prompts:
+        return []
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
