@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import wikitext_dir, write_json
-from bench.vllm_runs import DEFAULT_VLLM_PYTHON, reference_view, run_vllm
+from bench.vllm_runs import DEFAULT_VLLM_PYTHON, reference_view, require_vllm, run_vllm
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     ckpt = args.checkpoint.resolve()
-    if not Path(args.vllm_python).is_file():
-        raise SystemExit(f"bench.vllm_decode: no vLLM environment at {args.vllm_python} "
-                         f"(bash scripts/install-vllm.sh creates .venv-vllm)")
+    require_vllm(args.vllm_python, "bench.vllm_decode")
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     ids = tokenize(tok, read_text(wikitext_dir() / "test.txt", "text"))
     n = max(args.batch, 1)

@@ -29,6 +29,12 @@ def reference_view(checkpoint: Path, into: Path) -> Path:
     (into / INDEX_FILE).write_text(json.dumps(index, indent=1))
     return into
 
+def require_vllm(python: str, bench: str) -> None:
+    """Exit naming the missing vLLM environment (a benchmark's first check)."""
+    if not Path(python).is_file():
+        raise SystemExit(f"{bench}: no vLLM environment at {python} (bash scripts/install-vllm.sh creates .venv-vllm)")
+
+
 def run_vllm(python: str, model_dir: Path, run: dict, job: dict, work: Path, log) -> dict:
     job_path, out_path = work / f"{run['name']}.job.json", work / f"{run['name']}.out.json"
     job_path.write_text(json.dumps({**job, "runs": [run]}))

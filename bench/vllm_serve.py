@@ -39,8 +39,8 @@ import torch
 
 from bench.common import wikitext_dir, write_json
 
-from bench.vllm_runs import (DEFAULT_VLLM_PYTHON, ROOT, first_difference, reference_view, run_vllm,  # noqa: F401
-                             verify_at_end)
+from bench.vllm_runs import (DEFAULT_VLLM_PYTHON, ROOT, first_difference, reference_view,  # noqa: F401
+                             require_vllm, run_vllm, verify_at_end)
 FALLBACK = "vLLM's 1.0 default: the checkpoint's scale was not loaded (is kv_cache_scales.safetensors in " \
            "model.safetensors.index.json's weight_map?)"
 
@@ -179,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     ckpt = args.checkpoint.resolve()
-    if not Path(args.vllm_python).is_file():
-        raise SystemExit(f"bench.vllm_serve: no vLLM environment at {args.vllm_python} "
-                         f"(bash scripts/install-vllm.sh creates .venv-vllm)")
+    require_vllm(args.vllm_python, "bench.vllm_serve")
     if ct.checkpoint_kind(load_artifact(ckpt / ct.ARTIFACT_DIR).policy) == "packed":
         from bench import vllm_packed
         return vllm_packed.run(args, ckpt, load_artifact(ckpt / ct.ARTIFACT_DIR), log)

@@ -53,7 +53,7 @@ QUERY_CHUNK = 512    # prefill queries attended per SDPA call
 FAST_ROWS = 8        # a step of at most this many new tokens is encoded straight into its slots
 _SENTINELS = torch.full((4096,), vllm_slots.SENTINEL, dtype=torch.int16)   # empty outlier entries to copy from
 RING_SLACK = 4      # recent-window rings beyond max_num_seqs (sequences finished but not yet seen gone)
-STATS: dict = {"kernel_calls": 0, "rows_calls": 0, "rows_written": 0, "overflow": {}, "seconds": {},
+STATS: dict = {"kernel_calls": 0, "kernel_rows": 0, "rows_calls": 0, "rows_written": 0, "overflow": {}, "seconds": {},
                "window_misses": 0, "window_ring_bytes": 0, "padding_loss": 0.0, "slot_bytes": {}}
 PROFILE = os.environ.get("KVCALIB_VLLM_PROFILE") == "1"   # wall time of the write and the attention, in STATS
 
@@ -696,7 +696,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                                    cpu_attention._Rows(), None, cpu_attention.CHUNK, torch.get_num_threads(), keep,
                                    split=split, page_b=pb, sinks=sinks, recents=recents)
         STATS["kernel_calls"] += 1
-        STATS["kernel_rows"] = STATS.get("kernel_rows", 0) + len(seqs)
+        STATS["kernel_rows"] += len(seqs)
         if split:
             from serving.inputs import finish
             out = finish(out[0], out[1], lay.unrotate)
