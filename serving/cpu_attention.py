@@ -71,7 +71,7 @@ def flags() -> tuple[str, ...]:
             raise OSError(f"KVCALIB_KERNEL_SANITIZE must be one of {sorted(SANITIZERS)}, got {sanitize!r}")
         out += SANITIZERS[sanitize]
     return out
-ABI = 3
+ABI = 4
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
 
@@ -389,11 +389,12 @@ def _make_side(p, flags: dict, n_kv: int, d: int) -> tuple[_Side, list]:
 
 
 def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
-           outliers: tuple[bool, bool], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
+           outliers: tuple[int, int], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
            lam: torch.Tensor | None, chunk: int, threads: int, keep: list, split: bool = False,
            page_b: torch.Tensor | None = None, sinks: list | None = None, recents: list | None = None) -> torch.Tensor:
     """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (serving/pages.py's fields), queries
-    q [B, H_q, D], the policies' static tensors, which sides store outliers, the RoPE table [N, 2, D / 2] (pre-RoPE
+    q [B, H_q, D], the policies' static tensors, which sides store outliers (0: none, 1: lists at int64 offsets,
+    2: at int16 offsets -- a page's own pool, exporters/vllm_slots.py), the RoPE table [N, 2, D / 2] (pre-RoPE
     keys) or None, the fp16 sink / residual rows -> [B, H_q, D] float32; split: [2, B, H_q, D], the value sum of
     the sink and residual rows, then that of the pages (rotated values: the caller un-rotates the second). The one
     entry to the library's decode, for the serving cache (decode_attention) and the vLLM plugin
@@ -424,6 +425,8 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
     call = _Call(table.data_ptr(), n_pages, q.data_ptr(), b, h_kv, h_q // h_kv, d, scaling,
                  None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
                  0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
+    if any(int(o) not in (0, 1, 2) for o in outliers):
+        raise InputError(f"outliers: allowed 0 (none), 1 (int64 list offsets) or 2 (int16) per side, got {outliers}")
     call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
     call.split_v = int(split)
     if page_b is not None:

@@ -15,10 +15,11 @@ platform always selects CPU_ATTN, vllm/platforms/cpu.py get_attn_backend_cls) an
   * each step's new rows are written into their slots (forward_includes_kv_cache_update): keys rotated back to
     pre-RoPE at their positions (the manifest's RoPE, exporters/rope.py), encoded by the CPU kernel's encoder (the
     codec's bytes, serving/cpu_attention.py encode_rows) or the codec, packed (exporters/vllm_slots.py
-    pack_side); positions below n_sink go to the page's sink rows in fp16, post-RoPE;
+    pack_side, the static-bound outliers after the previous token's in the page's pool: pool_places); positions
+    below n_sink go to the page's sink rows in fp16, post-RoPE;
   * a sequence's single new token attends through the fused CPU kernel reading the slots where they lie (a page
-    table of serving/pages.py's fields with the slot's strides, the outlier lists of fixed capacity read
-    through per-row offsets); a chunk of several tokens (prefill) decodes its sequence's slots with the codec
+    table of serving/pages.py's fields with the slot's strides; a slot's outlier list of fixed capacity, or the
+    page's pool of static-bound outliers, read through per-row counts and offsets); a chunk of several tokens (prefill) decodes its sequence's slots with the codec
     (exporters/vllm_slots.py unpack_side, exporters/codec.py decode), applies RoPE and attends causally (SDPA,
     float32) -- both read what is stored, as the serving cache does.
 STATS counts what ran and every outlier left clamped beyond a slot's capacity, per layer.
@@ -267,7 +268,8 @@ class KvcalibCPUBackend(CPUAttentionBackend):
             STATS["slot_bytes"][i] = lay.slot_bytes
             natural = {j: served.slot(j).slot_bytes for j in STATS["slot_bytes"]}
             STATS["padding_loss"] = vllm_slots.padding_loss(STATS["slot_bytes"], natural)
-        padded = lay.page_bytes(spec.block_size) if lay.sink_bytes else None   # sinks in the page (no window)
+        page = lay.page_bytes(spec.block_size)   # the slots, then the outlier pools and the sink rows (no window)
+        padded = page if page != spec.block_size * lay.slot_bytes else None
         return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=lay.slot_bytes,
                        page_size_padded=padded)
 
@@ -372,6 +374,13 @@ def served_of(folder: str, artifact, max_positions: int, rings: int = 1) -> Serv
                   window=window)
 
 
+def _checked_fill(fill: int, cap: int, blk: int, off: int) -> int:
+    if not 0 <= fill <= cap:
+        raise RuntimeError(f"kvcalib vLLM plugin: block {blk}: the outlier pool's fill before row {off} is {fill}, "
+                           f"outside [0, {cap}] (a page the plugin did not write in position order)")
+    return fill
+
+
 class KvcalibCPUImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -431,6 +440,10 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                 raise PluginRefusal(f"kvcalib vLLM plugin: layer {lay.index}: vLLM's page holds "
                                     f"{kv_cache.shape[-1]} bytes per token, its slot needs {lay.slot.slot_bytes}")
             lay.slot = replace(lay.slot, slot_bytes=int(kv_cache.shape[-1]))   # padded: the fields where they are
+        if kv_cache.shape[0] > 1 and kv_cache.stride(0) < lay.slot.page_bytes(kv_cache.shape[2]):
+            raise PluginRefusal(f"kvcalib vLLM plugin: layer {lay.index}: vLLM's page holds {kv_cache.stride(0)} "
+                                f"bytes, its slots, outlier pools and sink rows need "
+                                f"{lay.slot.page_bytes(kv_cache.shape[2])}")
         md = attn_metadata
         n = md.num_actual_tokens
         old = self._old_rows(md) if md.window is not None else {}
@@ -496,13 +509,31 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                 out[i] = self.ring[ring, window.index(p)].clone()
         return out
 
-    def _sink_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The pages' sink rows: [num_blocks, n_sink, 2, H, D] fp16 after each page's slots (alike in every layer)."""
-        lay = self.served.layout
-        nb, _, bs, c = kv_cache.shape
-        raw = torch.as_strided(kv_cache, (nb, lay.sink_bytes), (kv_cache.stride(0), 1),
-                               kv_cache.storage_offset() + bs * c)
-        return raw.view(torch.float16).view(nb, lay.n_sink, 2, lay.n_kv_heads, lay.head_dim)
+    def _sink_view(self, kv_cache: torch.Tensor, sl: vllm_slots.SlotLayout) -> torch.Tensor:
+        """The pages' sink rows: [num_blocks, n_sink, 2, H, D] fp16 after each page's slots and pools."""
+        nb, _, bs, _ = kv_cache.shape
+        raw = torch.as_strided(kv_cache, (nb, sl.sink_bytes), (kv_cache.stride(0), 1),
+                               kv_cache.storage_offset() + sl.sink_offset(bs))
+        return raw.view(torch.float16).view(nb, sl.n_sink, 2, sl.n_kv_heads, sl.head_dim)
+
+    @staticmethod
+    def _pool_views(kv_cache: torch.Tensor, where: dict) -> tuple:
+        """One side's outlier pool in every page (exporters/vllm_slots.py pools(): its byte offsets in a page) ->
+        (count [nb, bs] int16, first [nb, bs] int16, index [nb, P] int16, value [nb, P] fp16), views."""
+        nb, _, bs, _ = kv_cache.shape
+        cap, at0, st = where["cap"], kv_cache.storage_offset(), kv_cache.stride(0)
+        view = lambda off, n: torch.as_strided(kv_cache, (nb, 2 * n), (st, 1), at0 + off)  # noqa: E731
+        return (view(where["count"], bs).view(torch.int16), view(where["first"], bs).view(torch.int16),
+                view(where["index"], cap).view(torch.int16), view(where["value"], cap).view(torch.float16))
+
+    @staticmethod
+    def _pool_start(count, first, blk: int, off: int, pos: int, n_sink: int, cap: int) -> int:
+        """The pool's fill before the token at page offset `off` (position `pos`): after the previous token's
+        entries; 0 for a page's first stored token (offset 0, or the position after the sinks, which have no
+        slot entries). A fill outside [0, cap] is a page this plugin did not write: refused."""
+        if off == 0 or pos - 1 < n_sink:
+            return 0
+        return _checked_fill(int(first[blk, off - 1]) + int(count[blk, off - 1]), cap, blk, off)
 
     def _write(self, lay: _Layer, key, value, md: PackedMetadata, kv_cache: torch.Tensor) -> None:
         sl = lay.slot
@@ -529,7 +560,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         pos, blk, off, sink = step["pos"], step["blk"], step["off"], step["sink"]
         rows = torch.ones(n, dtype=torch.bool)
         if step["any_sink"] and sl.sink_in_page:
-            view = self._sink_view(kv_cache)
+            view = self._sink_view(kv_cache, sl)
             view[blk[sink], pos[sink], 0] = key[sink].to(torch.float16)
             view[blk[sink], pos[sink], 1] = value[sink].to(torch.float16)
         if step["any_sink"]:
@@ -554,14 +585,39 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         over = vllm_slots.pack_side(kb.tensors, sl.key, m, sl.n_kv_heads, payload)
         over += vllm_slots.pack_side(vb.tensors, sl.value, m, sl.n_kv_heads, payload)
         kv_cache[blk[rows], 0, off[rows]] = payload
+        pools = sl.pools(bs)
+        for name, stored in (("key", kb), ("value", vb)):
+            if name in pools:
+                over += self._place_pool(kv_cache, pools[name], stored.tensors, blk[rows], off[rows], p_rows,
+                                         sl.n_sink)
         STATS["rows_written"] += m
         if over:
             STATS["overflow"][lay.index] = STATS["overflow"].get(lay.index, 0) + over
 
+    def _place_pool(self, kv_cache: torch.Tensor, where: dict, tensors: dict, blk, off, pos, n_sink: int) -> int:
+        """m tokens' outliers of one pooled side (stored rows, in the step's order: each page's tokens consecutive
+        and ascending) into their pages' pools, each token's after the previous token's. -> those left out."""
+        count, first, index, value = self._pool_views(kv_cache, where)
+        m = blk.numel()
+        counts, o_index, o_value = vllm_slots.outlier_lists(tensors, m)
+        bl, ol, pl = blk.tolist(), off.tolist(), pos.tolist()
+        start = torch.full((m,), -1, dtype=torch.int64)
+        for j in range(m):   # a run's first token: its fill from the page (the previous token, or 0)
+            if j == 0 or bl[j] != bl[j - 1] or ol[j] != ol[j - 1] + 1:
+                start[j] = self._pool_start(count, first, bl[j], ol[j], pl[j], n_sink, where["cap"])
+        at = vllm_slots.pool_places(counts, start, where["cap"])
+        count[blk, off] = at["kept"].to(torch.int16)
+        first[blk, off] = at["first"].to(torch.int16)
+        keep, rows = at["keep"], at["rows"]
+        index[blk[rows[keep]], at["dest"][keep]] = o_index[keep]
+        value[blk[rows[keep]], at["dest"][keep]] = o_value[keep]
+        return at["overflow"]
+
     def _fast_write(self, lay: _Layer, key, value, step: dict, kv_cache: torch.Tensor) -> bool:
         """A few tokens (a decode step) encoded by the library straight into their slots, token by token: the
-        bytes the torch path packs (the encoder is the codec's to the bit), with no temporary per field. False when
-        the policy is not the library's or a token's outliers exceed a slot (the caller's path then stores the
+        bytes the torch path packs (the encoder is the codec's to the bit), with no temporary per field; a pooled
+        side's outliers after the previous token's in the page's pool. False when the policy is not the library's or
+        a token's outliers exceed its slot or what is left of its page's pool (the caller's path then stores the
         step, clamping the excess)."""
         sl = lay.slot
         if cpu_attention._encoder_consts(lay.key) is None or cpu_attention._encoder_consts(lay.value) is None:
@@ -572,9 +628,32 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         k32, v32 = key.to(torch.float16).float(), value.to(torch.float16).float()  # the fp16 copies, as _write
         h, d = sl.n_kv_heads, sl.head_dim
         base0 = kv_cache.data_ptr()
+        bs = kv_cache.shape[2]
+        pools = sl.pools(bs)
+        if pools and "blk_list" not in step:
+            step["blk_list"], step["off_list"] = step["blk"].tolist(), step["off"].tolist()
+        i16 = ctypes.c_int16
         for j, (rel, p) in enumerate(zip(step["rel"], step["pos_list"])):
             base = base0 + rel
-            for s, x, pol, r in ((sl.key, k32[j], lay.key, rope), (sl.value, v32[j], lay.value, None)):
+            for name, s, x, pol, r in (("key", sl.key, k32[j], lay.key, rope), ("value", sl.value, v32[j], lay.value,
+                                                                                  None)):
+                if name in pools:   # the page's pool, after the previous token's entries (_pool_start)
+                    where = pools[name]
+                    b, o = step["blk_list"][j], step["off_list"][j]
+                    page = base0 + b * kv_cache.stride(0)
+                    cnt, fst = page + where["count"] + 2 * o, page + where["first"] + 2 * o   # this token's fields
+                    start = 0 if o == 0 or p - 1 < sl.n_sink else _checked_fill(
+                        i16.from_address(fst - 2).value + i16.from_address(cnt - 2).value, where["cap"], b, o)
+                    got = cpu_attention.encode_into(x.view(1, h, 1, d), pol, p, r, base + s.codes,
+                                                    None if s.scale is None else base + s.scale,
+                                                    None if s.zero is None else base + s.zero,
+                                                    page + where["index"] + 2 * start,
+                                                    page + where["value"] + 2 * start, where["cap"] - start,
+                                                    self._count)
+                    if got < 0:
+                        return False
+                    i16.from_address(cnt).value, i16.from_address(fst).value = got, start
+                    continue
                 got = cpu_attention.encode_into(x.view(1, h, 1, d), pol, p, r, base + s.codes,
                                                 None if s.scale is None else base + s.scale,
                                                 None if s.zero is None else base + s.zero,
@@ -618,7 +697,10 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         byte_f = torch.zeros(N_PAGE, dtype=torch.int64)
         half_f = torch.zeros(N_PAGE, dtype=torch.int64)
         table[:, 0], table[:, 1] = start, rows
-        for col, s, caps in ((2, sl.key, kcap), (2 + N_SIDE, sl.value, vcap)):
+        pools = sl.pools(bs)
+        shift = torch.zeros(nb, dtype=torch.int64)   # the first page's rows start after its sinks: so do its pool
+        shift[0] = 2 * s0                            # fields per row (count, first)
+        for col, name, s, caps in ((2, "key", sl.key, kcap), (2 + N_SIDE, "value", sl.value, vcap)):
             f = table[:, col:col + N_SIDE]
             f[:, 0] = base + s.codes
             byte_f[col] = 1
@@ -627,12 +709,18 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                 f[:, 5], f[:, 6] = (base + s.scale) // 2, (base + s.zero) // 2
                 f[:, 8], f[:, 9] = 1, c // 2
                 half_f[col + 5] = half_f[col + 6] = 1
-            if s.cap:
+            if name in pools:   # the page's pool: count and first per row (int16), then its entries
+                where = pools[name]
+                f[:, 11], f[:, 12] = (page0 + where["count"] + shift) // 2, (page0 + where["first"] + shift) // 2
+                f[:, 13], f[:, 14] = (page0 + where["index"]) // 2, (page0 + where["value"]) // 2
+                for k in (11, 12, 13, 14):
+                    half_f[col + k] = 1
+            elif s.cap:
                 f[:, 11], f[:, 12] = caps.data_ptr() // 2, offs.data_ptr() // 8
                 f[:, 13], f[:, 14] = (base + s.index) // 2, (base + s.value) // 2
                 half_f[col + 13] = half_f[col + 14] = 1
         table = table[rows > 0].contiguous()
-        sink_rel = int(page0[0]) + bs * c if s0 else None
+        sink_rel = int(page0[0]) + sl.sink_offset(bs) if s0 else None
         return table, byte_f, half_f, sink_rel, s0
 
     def _decode_one(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, shared: dict | None = None,
@@ -692,7 +780,8 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         keep += [kcap, vcap, offs, table, pb]
         split = lay.unrotate is not None
         out = cpu_attention.launch(table, n_pages, q, sl.n_kv_heads, self.scale, lay.key, lay.value,
-                                   (sl.key.cap > 0, sl.value.cap > 0), self.served.kernel_rope, cpu_attention._Rows(),
+                                   (sl.key.kernel_outliers, sl.value.kernel_outliers), self.served.kernel_rope,
+                                   cpu_attention._Rows(),
                                    cpu_attention._Rows(), None, cpu_attention.CHUNK, torch.get_num_threads(), keep,
                                    split=split, page_b=pb, sinks=sinks, recents=recents)
         STATS["kernel_calls"] += 1
@@ -729,7 +818,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         ks, vs = [], []
         if s0:
             if sl.sink_in_page:
-                sink = self._sink_view(kv_cache)[blocks[0], :s0].float()       # [s0, 2, H, D]
+                sink = self._sink_view(kv_cache, sl)[blocks[0], :s0].float()   # [s0, 2, H, D]
             else:   # the ring's sink rows before the chunk (`old` starts with them), the chunk's own after
                 before = min(s0, c)
                 parts = [] if old is None else [old[:before].float()]
@@ -738,10 +827,19 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             vs.append(sink[:, 1].permute(1, 0, 2).unsqueeze(0))
         if dec_end > s0:
             slots = kv_cache[blocks, 0].reshape(nb * bs, -1)[s0:dec_end]
-            k = decode(vllm_slots.unpack_side(slots, sl.key, lay.key, sl.n_kv_heads, sl.head_dim), lay.key)
+            pooled = {}
+            for name, where in sl.pools(bs).items():   # the rows' outliers from their pages' pools
+                count, first, index, value = self._pool_views(kv_cache, where)
+                rows = slice(s0, dec_end)
+                pooled[name] = vllm_slots.pool_entries(count[blocks].reshape(-1)[rows], first[blocks].reshape(-1)[rows],
+                                                       (torch.arange(nb * bs) // bs)[rows], index[blocks],
+                                                       value[blocks])
+            k = decode(vllm_slots.unpack_side(slots, sl.key, lay.key, sl.n_kv_heads, sl.head_dim, pooled.get("key")),
+                       lay.key)
             if self.served.policy.key_rope == "pre":
                 k = apply_rope(k, self.served.cos[s0:dec_end], self.served.sin[s0:dec_end])
-            v = decode(vllm_slots.unpack_side(slots, sl.value, lay.value, sl.n_kv_heads, sl.head_dim), lay.value)
+            v = decode(vllm_slots.unpack_side(slots, sl.value, lay.value, sl.n_kv_heads, sl.head_dim,
+                                              pooled.get("value")), lay.value)
             ks.append(k)
             vs.append(v)
         qq = q.float().permute(1, 0, 2).unsqueeze(0)                             # [1, H_q, nq, D]

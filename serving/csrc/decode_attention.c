@@ -42,7 +42,7 @@ enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
 #define MAX_G 32
 #define MAX_ROW_ENTRIES 32767   /* int16 outlier indices h * D + d: H * D at most this (exporters/layout.py's,
                                    compared by tests/serving/test_untrusted_binding.py) */
-#define KVCALIB_ABI 3
+#define KVCALIB_ABI 4
 
 typedef _Float16 half;
 
@@ -253,7 +253,10 @@ static inline __attribute__((always_inline)) int decode_row(const Side *sd, cons
     if (sd->outliers) {
         const int64_t r = t * B + b;   /* token row t of sequence b: outlier row t * B + b */
         const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
-        const int64_t first = ((const int64_t *)(intptr_t)(f[12] * 8))[r];
+        /* outliers 1: the list offsets int64 (f[12] in int64 elements); 2: int16 (f[12] in int16 elements) -- a
+           page's own pool, the vLLM plugin's (exporters/vllm_slots.py) */
+        const int64_t first = sd->outliers == 2 ? (int64_t)((const int16_t *)(intptr_t)(f[12] * 2))[r]
+                                                : ((const int64_t *)(intptr_t)(f[12] * 8))[r];
         if (n < 0 || first < 0) return 1;   /* counts from the data: never a list read before its start */
         const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
         const half *val = (const half *)(intptr_t)(f[14] * 2) + first;

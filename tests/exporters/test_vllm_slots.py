@@ -1,7 +1,8 @@
-"""The kvcalib vLLM plugin's packed slot (exporters/vllm_slots.py): a side's stored rows (exporters/layout.py store)
-packed into fixed-size per-token slots and read back decode exactly as the codec's rows; the per-token outlier
-capacity holds and is tight; static-bound overflow is counted and left clamped; what the slot cannot hold is
-refused by field; every 2-byte field is aligned."""
+"""The kvcalib vLLM plugin's packed page (exporters/vllm_slots.py): a side's stored rows (exporters/layout.py store)
+packed into fixed-size per-token slots and a page's outlier pool and read back decode exactly as the codec's rows;
+the per-token outlier capacity holds and is tight; a pool lets one token borrow from the page's others, and its
+overflow is counted and left clamped; what the slot cannot hold is refused by field; every 2-byte field is
+aligned."""
 import pytest
 import torch
 
@@ -39,11 +40,31 @@ def kvquant_like(k: TensorPolicy | None = None, v: TensorPolicy | None = None, *
                        **cache)
 
 
+def into_pool(tensors: dict, s: vs.SideSlot, n: int, cap: int, start: int = 0, pool: tuple | None = None):
+    """n tokens of one page (one run from fill `start`) into a pool of cap entries, as the plugin places them ->
+    (count, first, index [1, cap], value [1, cap], overflow)."""
+    counts, idx, val = vs.outlier_lists(tensors, n)
+    at = vs.pool_places(counts, torch.tensor([start] + [-1] * (n - 1)), cap)
+    index, value = pool or (torch.full((1, cap), vs.SENTINEL, dtype=torch.int16), torch.zeros(1, cap, dtype=torch.float16))
+    keep = at["keep"]
+    index[0, at["dest"][keep]] = idx[keep]
+    value[0, at["dest"][keep]] = val[keep]
+    return at["kept"], at["first"], index, value, at["overflow"]
+
+
 def round_trip(x: torch.Tensor, p: TensorPolicy, s: vs.SideSlot, slots: torch.Tensor):
-    """x [1, H, n, D] -> (overflow, the slots' decode, the codec's own decode, the codec's Encoded)."""
+    """x [1, H, n, D] (one page of n tokens) -> (overflow, the slots' and pool's decode, the codec's own decode, the
+    codec's Encoded)."""
     e = encode(x, p)
-    overflow = vs.pack_side(store(e, p, 0).tensors, s, x.shape[2], x.shape[1], slots)
-    return overflow, decode(vs.unpack_side(slots, s, p, x.shape[1], x.shape[3]), p), decode(e, p), e
+    n = x.shape[2]
+    tensors = store(e, p, 0).tensors
+    overflow = vs.pack_side(tensors, s, n, x.shape[1], slots)
+    pooled = None
+    if s.pool_rate:
+        count, first, index, value, over = into_pool(tensors, s, n, s.pool_cap(n))
+        overflow += over
+        pooled = vs.pool_entries(count, first, torch.zeros(n, dtype=torch.int64), index, value)
+    return overflow, decode(vs.unpack_side(slots, s, p, x.shape[1], x.shape[3], pooled), p), decode(e, p), e
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
@@ -61,8 +82,6 @@ def test_slots_decode_exactly_as_the_codec(bits, vfmt):
         assert ok == 0 and ov == 0
         assert ev.n_outliers > 0  # the value side's outliers pass through the slot
         assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        # the key side again, read after the value side was written: the fields do not overlap
-        assert torch.equal(decode(vs.unpack_side(slots, lay.key, k, H, D), k), want_k)
         key_outliers += ek.n_outliers
     assert key_outliers > 0
 
@@ -112,21 +131,64 @@ def test_the_per_token_capacity_counts_each_tail_as_torch_ranks_it():
     assert torch.bincount(e.outlier_index[:, 2], minlength=4).tolist() == [375] * 4
 
 
-def test_static_bound_overflow_is_counted_and_left_clamped():
-    import math
+def test_a_token_borrows_from_its_page_pool():
+    """Static bounds: no capacity per token -- one token with 30 outliers in a page whose pool holds 51 keeps them
+    all (and the page's other 10), where the old per-token slot of 8 x the expected count (ceil(8 * 0.05 * 48) = 20) clamped 10."""
+    k = key_policy(fraction=0.05)
+    lay = vs.layout(kvquant_like(k), H, D)
+    assert lay.key.cap == 0 and lay.key.index is None and lay.key.kernel_outliers == 2
+    assert lay.key.pool_cap(N) == 51 == -(-vs.POOL_SLACK * 0.05 * H * D * N // 1)   # ceil(3 * 0.05 * 48 * 7)
+    x = torch.zeros(1, H, N, D)
+    row4, row1 = torch.zeros(H * D), torch.zeros(H * D)
+    row4[:50:5] = torch.arange(10.0) + 20                                             # token 4: 10 outliers
+    row1[:30] = torch.linspace(-30, -20, 30)                                          # token 1: 30 outliers
+    x[0, :, 4], x[0, :, 1] = row4.view(H, D), row1.view(H, D)
+    overflow, got, want, e = round_trip(x, k, lay.key, torch.zeros(N, lay.slot_bytes, dtype=torch.uint8))
+    assert e.n_outliers == 40 and overflow == 0 and torch.equal(got, want)
 
+
+def test_a_page_pool_fills_in_position_order_and_continues_across_steps():
+    """Tokens written in two steps (a run of 3, then one by one) fill the pool as one run would; pool_entries reads
+    each token's entries back whatever page row it was given."""
+    k = key_policy(fraction=0.1)
+    x = torch.randn(1, H, N, D, generator=torch.Generator().manual_seed(9)) * 2
+    e = encode(x, k)
+    tensors = store(e, k, 0).tensors
+    counts = vs.outlier_lists(tensors, N)[0]
+    cap = int(counts.sum()) + 3
+    whole = into_pool(tensors, None, N, cap)
+    part = store(encode(x[:, :, :3], k), k, 0).tensors
+    c0, f0, index, value, _ = into_pool(part, None, 3, cap)
+    counts_, firsts = [c0], [f0]
+    for t in range(3, N):
+        one = store(encode(x[:, :, t:t + 1], k), k, 0).tensors
+        start = int(firsts[-1][-1] + counts_[-1][-1])       # the previous token's first + count, as the plugin reads it
+        c, f, index, value, _ = into_pool(one, None, 1, cap, start, (index, value))
+        counts_.append(c)
+        firsts.append(f)
+    assert torch.equal(torch.cat(counts_), whole[0]) and torch.equal(torch.cat(firsts), whole[1])
+    assert torch.equal(index, whole[2]) and torch.equal(value, whole[3])
+    # two pages in one read: the second page's rows first
+    tt, ee, vv = vs.pool_entries(torch.cat([whole[0], whole[0]]), torch.cat([whole[1], whole[1]]),
+                                 torch.tensor([1] * N + [0] * N), torch.cat([index, index]), torch.cat([value, value]))
+    assert tt.numel() == 2 * int(counts.sum()) and torch.equal(ee[:tt.numel() // 2], ee[tt.numel() // 2:])
+    with pytest.raises(ValueError, match="within its"):
+        vs.pool_entries(whole[0], whole[1] + cap, torch.zeros(N, dtype=torch.int64), index, value)
+
+
+def test_pool_overflow_is_counted_and_left_clamped():
     k = key_policy(fraction=0.01)
     lay = vs.layout(kvquant_like(k), H, D)
-    cap = lay.key.cap
-    assert cap == max(2, math.ceil(vs.CHANNEL_SLACK * 0.01 * H * D)) and cap < H * D
+    cap = lay.key.pool_cap(N)
+    assert cap == max(2, -(-vs.POOL_SLACK * 0.01 * H * D * N // 1)) and cap < H * D
     x = torch.zeros(1, H, N, D)
     # token 2: every entry beyond its bound, alternately above and below (H * D outliers, over the capacity)
     sign = torch.tensor([1.0, -1.0]).repeat(H * D // 2).view(H, D)
     x[0, :, 2] = sign * 10 + torch.arange(H * D).view(H, D) / 100
-    x[0, 1, 5, :2] = 9.0  # token 5: two outliers, within any capacity
+    x[0, 1, 5, :2] = 9.0  # token 5: two outliers -- after token 2 filled the pool: clamped too
     slots = torch.zeros(N, lay.slot_bytes, dtype=torch.uint8)
     overflow, got, want, e = round_trip(x, k, lay.key, slots)
-    assert overflow == H * D - cap
+    assert overflow == H * D - cap + 2
     entries = (torch.arange(H * D) // D, torch.arange(H * D) % D)
     kept, dropped = (entries[0][:cap], entries[1][:cap]), (entries[0][cap:], entries[1][cap:])  # store's order
     row_got, row_x = got[0, :, 2], x[0, :, 2]
@@ -136,8 +198,9 @@ def test_static_bound_overflow_is_counted_and_left_clamped():
     clamped = torch.minimum(torch.maximum(row_x, k.lower), k.upper)
     assert torch.allclose(row_got[dropped], clamped[dropped], atol=1e-6)
     assert not torch.allclose(row_got[dropped], row_x[dropped])
-    others = torch.tensor([t for t in range(N) if t != 2])
+    others = torch.tensor([t for t in range(N) if t not in (2, 5)])
     assert torch.equal(got[0, :, others], want[0, :, others])  # every other token as the codec decodes it
+    assert torch.allclose(got[0, 1, 5, :2], k.upper[1, :2], atol=1e-6)   # token 5's two: their bounds
 
 
 def test_refusals_name_the_field():
@@ -204,12 +267,23 @@ def test_layout_aligns_every_two_byte_field(bits, h, d, kf, vf):
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= lay.slot_bytes
     assert (lay.key.scale is None) and (lay.value.scale is not None)
-    assert (lay.key.cap > 0) == (kf > 0) and (lay.value.cap > 0) == (vf > 0)
+    assert lay.key.cap == 0 and (lay.key.pool_rate > 0) == (kf > 0) and (lay.value.cap > 0) == (vf > 0)
+    bs = 16
+    pools, at = lay.pools(bs), bs * lay.slot_bytes
+    if kf:   # the key pool after the slots: count, first, index, value, each 2-byte aligned, then the sink rows
+        w = pools["key"]
+        assert (w["count"], w["first"], w["index"]) == (at, at + 2 * bs, at + 4 * bs)
+        assert w["value"] == w["index"] + 2 * w["cap"] and all(w[f] % 2 == 0 for f in ("count", "first", "index", "value"))
+        assert lay.sink_offset(bs) == w["value"] + 2 * w["cap"]
+    assert "value" not in pools
+    assert lay.page_bytes(bs) == lay.sink_offset(bs) + lay.sink_bytes
 
 
 def test_the_smollm2_slot_of_kvquant_4b_1pct():
     """The slot docs/vllm.md states: kvquant-4b-1pct (keys nuq4 per channel, values nuq4 per token, 1% outliers,
     one sink row) on SmolLM2-135M (3 kv heads, head_dim 64)."""
     lay = vs.layout(kvquant_like(key_policy(4, 0.01, 3, 64), value_policy(4, 0.01)), 3, 64)
-    assert (lay.key.cap, lay.value.cap) == (16, 2)  # ceil(CHANNEL_SLACK 8 * 0.01 * 192); 2 * (floor(0.005 * 191) + 1)
-    assert lay.slot_bytes == 276 and lay.sink_bytes == 768 and lay.page_bytes(16) == 16 * 276 + 768
+    assert (lay.key.cap, lay.value.cap) == (0, 2)  # keys: the page's pool; 2 * (floor(0.005 * 191) + 1)
+    assert lay.key.pool_cap(128) == 738            # ceil(POOL_SLACK 3 * 0.01 * 192 * 128)
+    assert lay.slot_bytes == 212 and lay.sink_bytes == 768
+    assert lay.page_bytes(128) == 128 * 212 + 4 * 128 + 4 * 738 + 768   # 243.8 bytes per token

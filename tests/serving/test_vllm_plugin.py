@@ -239,14 +239,17 @@ def test_vllm_serves_the_window_as_the_evaluation_however_the_prompt_is_cut(wind
     for run in (whole, chunks):   # some launch served several decoding sequences at once
         assert run["plugin_stats"]["kernel_rows"] > run["plugin_stats"]["kernel_calls"], run["plugin_stats"]
     assert {h["layout"]["value"]["bits"] for h in whole["held"]} == {4, 2}
-    # per-layer bits without padding: each layer's page is its own slot's size, and vLLM's capacity is the memory
-    # (less the window's rings) over the sum of the layers' pages
+    # per-layer bits without padding: each layer's page is its own slots' and key outlier pool's size, and vLLM's
+    # capacity is the memory (less the window's rings) over the sum of the layers' pages
     from exporters import vllm_slots
     sizes = [vllm_slots.layout(policy, 2, 32, i).slot_bytes for i in range(len(policy.layers))]
     assert len(set(sizes)) == 2 and [h["layout"]["slot_bytes"] for h in whole["held"]] == sizes
     stats = whole["plugin_stats"]
     assert stats["padding_loss"] == 0.0 and [stats["slot_bytes"][str(i)] for i in range(len(sizes))] == sizes
-    fits = (KV_BYTES - stats["window_ring_bytes"]) / (whole["block_size"] * sum(sizes)) * whole["block_size"]
+    bs = whole["block_size"]
+    pages = [vllm_slots.layout(policy, 2, 32, i).page_bytes(bs) for i in range(len(policy.layers))]
+    assert all(p > bs * s for p, s in zip(pages, sizes))   # the keys' static-bound outliers: a pool per page
+    fits = (KV_BYTES - stats["window_ring_bytes"]) / sum(pages) * bs
     assert whole["capacity_tokens"] == pytest.approx(fits, rel=0.02)
 
 

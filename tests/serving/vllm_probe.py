@@ -33,12 +33,12 @@ def main(folder: str, out: str) -> None:
     served = vb.served_of(folder, art, 2048)
     if pol.residual:
         return window_main(served, out)
-    lay = served.layout
     cos, sin = served.cos, served.sin
     impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
     impl.served, impl.scale, impl._consts, impl._count, impl.ring = served, d ** -0.5, {}, None, None
     layer_i = len(pol.layers) - 1
     impl._layer = vb.layer_of(served, layer_i)
+    lay = impl._layer.slot
     bs, nb = 32, 12
     page = lay.page_bytes(bs)
     raw = torch.zeros(nb * page + 64, dtype=torch.uint8)
@@ -46,10 +46,11 @@ def main(folder: str, out: str) -> None:
     g = torch.Generator().manual_seed(0)
     t = 70
     pk, pv = pol.layers[layer_i]
-    # pre-RoPE keys inside the calibrated channel bounds, and two entries per token beyond them (within the slot's
-    # capacity: the overflow is tests/exporters/test_vllm_slots.py's), rotated to post-RoPE as vLLM hands them over
+    # pre-RoPE keys inside the calibrated channel bounds, and two entries beyond them on every other token (tokens
+    # of 0 and 2 outliers in a page's pool, within its capacity: the overflow is tests/exporters/test_vllm_slots.py's),
+    # rotated to post-RoPE as vLLM hands them over
     k_pre = pk.zero.float() + pk.range.float() * (torch.rand(t, h, d, generator=g) * 1.8 - 0.9)
-    for i in range(t):
+    for i in range(0, t, 2):
         for j in torch.randperm(h * d, generator=g)[:2].tolist():
             hi, di = divmod(j, d)
             k_pre[i, hi, di] = pk.upper[hi, di].float() + pk.range[hi, di].float() * (0.5 + float(torch.rand(1, generator=g)))
@@ -74,13 +75,20 @@ def main(folder: str, out: str) -> None:
     sink_v = v[:s0].to(torch.float16).float().permute(1, 0, 2)[None]
     k_all, v_all = torch.cat([sink_k, k_ref], 2), torch.cat([sink_v, v_ref], 2)
     stored = kv[blocks, 0].reshape(-1, lay.slot_bytes)[s0:t]
-    k_got = apply_rope(decode(vllm_slots.unpack_side(stored, lay.key, pk, h, d), pk), cos[s0:t], sin[s0:t])
-    v_got = decode(vllm_slots.unpack_side(stored, lay.value, pv, h, d), pv)
+    pooled = {}   # the key outliers from the pages' pools (exporters/vllm_slots.py)
+    for name, where in lay.pools(bs).items():
+        count, first, index, value = impl._pool_views(kv, where)
+        pooled[name] = vllm_slots.pool_entries(count[blocks].reshape(-1)[s0:t], first[blocks].reshape(-1)[s0:t],
+                                               (torch.arange(len(blocks) * bs) // bs)[s0:t], index[blocks],
+                                               value[blocks])
+    k_got = apply_rope(decode(vllm_slots.unpack_side(stored, lay.key, pk, h, d, pooled.get("key")), pk), cos[s0:t],
+                       sin[s0:t])
+    v_got = decode(vllm_slots.unpack_side(stored, lay.value, pv, h, d, pooled.get("value")), pv)
     checks.append({"name": "slots decode as the codec's keys", "max_abs": float((k_got - k_ref).abs().max()),
                    "scale": float(k_ref.abs().max())})
     checks.append({"name": "slots decode as the codec's values", "max_abs": float((v_got - v_ref).abs().max()),
                    "scale": float(v_ref.abs().max())})
-    sink = impl._sink_view(kv)[blocks[0], :s0].float()
+    sink = impl._sink_view(kv, lay)[blocks[0], :s0].float()
     checks.append({"name": "sink rows", "max_abs": float((sink[:, 0] - k_post[:s0].half().float()).abs().max()
                                                          + (sink[:, 1] - v[:s0].half().float()).abs().max()),
                    "scale": 1.0})
@@ -123,8 +131,6 @@ def window_main(served, out: str) -> None:
     cos, sin = served.cos, served.sin
     S, R = pol.n_sink, pol.residual
     bs, nb, t = 32, 12, 230
-    lay = served.layout
-    page = lay.page_bytes(bs)
     blocks = torch.tensor([7, 2, 9, 0, 11, 4, 5, 1])                  # scattered, as vLLM hands blocks out
     pos = torch.arange(t)
     slots = blocks[pos // bs] * bs + pos % bs
@@ -143,12 +149,18 @@ def window_main(served, out: str) -> None:
         impl.ring = torch.zeros(4, S + R, 2, h, d, dtype=torch.float16)
         impl._layer = vb.layer_of(served, li)
         impl.kv_sharing_target_layer_name = None
+        lay = impl._layer.slot    # this layer's page: its slots, its key outliers' pool
+        page = lay.page_bytes(bs)
         raw = torch.zeros(nb * page + 64, dtype=torch.uint8)
         kv = torch.as_strided(raw, (nb, 1, bs, lay.slot_bytes), (page, bs * lay.slot_bytes, lay.slot_bytes, 1), 64)
         pk, pv = pol.layers[li]
         k_pre = torch.randn(t, h, d, generator=g)
-        if pk.axis == "channel":   # inside the calibrated channel ranges
+        if pk.axis == "channel":   # inside the calibrated channel ranges, and some beyond the bounds: the pool's
             k_pre = pk.zero.float() + pk.range.float() * (torch.rand(t, h, d, generator=g) * 1.8 - 0.9)
+            if pk.outlier_fraction > 0:
+                for i in range(0, t, 3):
+                    j = int(torch.randint(h * d, (1,), generator=g))
+                    k_pre[i].view(-1)[j] = float(pk.upper.reshape(-1)[j]) + 1.0 + i / t
         k_post = apply_rope(k_pre.permute(1, 0, 2)[None], cos[:t], sin[:t])[0].permute(1, 0, 2).contiguous()
         v = torch.randn(t, h, d, generator=g)
         # the oracle's rows: sink and recent rows in fp16, the rest the codec's rows of the fp16 copies
@@ -187,7 +199,7 @@ def window_main(served, out: str) -> None:
                                    f"queries read the window as the evaluation", "max_abs": w, "scale": 1.0,
                            "contrast": contrast})
     with open(out, "w") as f:
-        json.dump({"checks": checks, "overflow": vb.STATS["overflow"], "slot_bytes": served.layout.slot_bytes,
+        json.dump({"checks": checks, "overflow": vb.STATS["overflow"], "slot_bytes": served.slot(0).slot_bytes,
                    "window_misses": vb.STATS["window_misses"]}, f)
 
 
