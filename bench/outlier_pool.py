@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> None:
         from stages.probes import passkey_prompt
         texts["passkey prompts"] = [torch.tensor(passkey_prompt(lm.tokenizer, int(n), 0.5, 12345 + j)[0])
                                     for j, n in enumerate(args.passkey_lengths.split(","))]
-    payload = {"artifact": args.artifact, "dtype": args.dtype, "windows": args.windows, "seq_len": args.seq_len, "block": args.block,
-               "slot_cap": args.slot_cap, "texts": {}}
+    payload = {"artifact": args.artifact, "dtype": args.dtype, "windows": args.windows, "seq_len": args.seq_len,
+               "block": args.block, "slot_cap": args.slot_cap, "texts": {}}
     for what, windows in texts.items():
         payload["texts"][what] = count(lm, pol, h, d, windows, what, args)
     payload["wall_s"] = round(time.perf_counter() - start, 1)
@@ -102,8 +102,8 @@ def count(lm, pol, h: int, d: int, windows: list, what: str, args) -> dict:
         f = pol.layers[i][0].outlier_fraction
         expected = f * h * d
         stored = torch.cat([x[pol.n_sink:] for x in counts[i]])
-        row = {"layer": i, "fraction": f, "expected_per_token": expected, "mean_per_token": float(stored.float().mean()),
-               "p99_per_token": float(stored.float().quantile(0.99)), "max_per_token": int(stored.max()),
+        row = {"layer": i, "fraction": f, "expected_per_token": expected,
+               "mean_per_token": float(stored.float().mean()), "p99_per_token": float(stored.float().quantile(0.99)), "max_per_token": int(stored.max()),
                "outliers": int(c.sum()), "clamped_slot": clamped_slot(c, args.slot_cap), "clamped_pool": {}}
         for s in slacks:
             cap = min(32767, max(2, math.ceil(s * expected * args.block)))

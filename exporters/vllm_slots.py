@@ -126,10 +126,6 @@ class SlotLayout:
     def page_bytes(self, block_size: int) -> int:
         return self.sink_offset(block_size) + self.sink_bytes
 
-    def per_token_bytes(self, block_size: int) -> float:
-        """A page's bytes per token: what vLLM's capacity is computed from."""
-        return self.page_bytes(block_size) / block_size
-
     def as_json(self) -> dict:
         side = lambda s: {k: getattr(s, k) for k in ("bits", "code_bytes", "codes", "scale", "zero", "index",  # noqa: E731
                                                        "value", "cap", "pool_rate")}

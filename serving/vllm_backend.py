@@ -19,9 +19,10 @@ platform always selects CPU_ATTN, vllm/platforms/cpu.py get_attn_backend_cls) an
     below n_sink go to the page's sink rows in fp16, post-RoPE;
   * a sequence's single new token attends through the fused CPU kernel reading the slots where they lie (a page
     table of serving/pages.py's fields with the slot's strides; a slot's outlier list of fixed capacity, or the
-    page's pool of static-bound outliers, read through per-row counts and offsets); a chunk of several tokens (prefill) decodes its sequence's slots with the codec
-    (exporters/vllm_slots.py unpack_side, exporters/codec.py decode), applies RoPE and attends causally (SDPA,
-    float32) -- both read what is stored, as the serving cache does.
+    page's pool of static-bound outliers, read through per-row counts and offsets); a chunk of several tokens
+    (prefill) decodes its sequence's slots with the codec (exporters/vllm_slots.py unpack_side, exporters/codec.py
+    decode), applies RoPE and attends causally (SDPA, float32) -- both read what is stored, as the serving cache
+    does.
 STATS counts what ran and every outlier left clamped beyond a slot's capacity, per layer.
 """
 from __future__ import annotations

@@ -45,7 +45,8 @@ def into_pool(tensors: dict, s: vs.SideSlot, n: int, cap: int, start: int = 0, p
     (count, first, index [1, cap], value [1, cap], overflow)."""
     counts, idx, val = vs.outlier_lists(tensors, n)
     at = vs.pool_places(counts, torch.tensor([start] + [-1] * (n - 1)), cap)
-    index, value = pool or (torch.full((1, cap), vs.SENTINEL, dtype=torch.int16), torch.zeros(1, cap, dtype=torch.float16))
+    index, value = pool or (torch.full((1, cap), vs.SENTINEL, dtype=torch.int16),
+                            torch.zeros(1, cap, dtype=torch.float16))
     keep = at["keep"]
     index[0, at["dest"][keep]] = idx[keep]
     value[0, at["dest"][keep]] = val[keep]
@@ -133,7 +134,8 @@ def test_the_per_token_capacity_counts_each_tail_as_torch_ranks_it():
 
 def test_a_token_borrows_from_its_page_pool():
     """Static bounds: no capacity per token -- one token with 30 outliers in a page whose pool holds 51 keeps them
-    all (and the page's other 10), where the old per-token slot of 8 x the expected count (ceil(8 * 0.05 * 48) = 20) clamped 10."""
+    all (and the page's other 10), where the old per-token slot of 8 x the expected count (ceil(8 * 0.05 * 48) =
+    20) clamped 10."""
     k = key_policy(fraction=0.05)
     lay = vs.layout(kvquant_like(k), H, D)
     assert lay.key.cap == 0 and lay.key.index is None and lay.key.kernel_outliers == 2
@@ -273,7 +275,8 @@ def test_layout_aligns_every_two_byte_field(bits, h, d, kf, vf):
     if kf:   # the key pool after the slots: count, first, index, value, each 2-byte aligned, then the sink rows
         w = pools["key"]
         assert (w["count"], w["first"], w["index"]) == (at, at + 2 * bs, at + 4 * bs)
-        assert w["value"] == w["index"] + 2 * w["cap"] and all(w[f] % 2 == 0 for f in ("count", "first", "index", "value"))
+        assert w["value"] == w["index"] + 2 * w["cap"]
+        assert all(w[f] % 2 == 0 for f in ("count", "first", "index", "value"))
         assert lay.sink_offset(bs) == w["value"] + 2 * w["cap"]
     assert "value" not in pools
     assert lay.page_bytes(bs) == lay.sink_offset(bs) + lay.sink_bytes
