@@ -375,6 +375,12 @@ def served_of(folder: str, artifact, max_positions: int, rings: int = 1) -> Serv
                   window=window)
 
 
+def _starts_page(off: int, pos: int, n_sink: int) -> bool:
+    """Whether the token at page offset `off` (position `pos`) is its page's first stored one: offset 0, or the
+    position after the sinks (which have no slot entries). Its pool entries then start at 0."""
+    return off == 0 or pos - 1 < n_sink
+
+
 def _checked_fill(fill: int, cap: int, blk: int, off: int) -> int:
     if not 0 <= fill <= cap:
         raise RuntimeError(f"kvcalib vLLM plugin: block {blk}: the outlier pool's fill before row {off} is {fill}, "
@@ -532,7 +538,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         """The pool's fill before the token at page offset `off` (position `pos`): after the previous token's
         entries; 0 for a page's first stored token (offset 0, or the position after the sinks, which have no
         slot entries). A fill outside [0, cap] is a page this plugin did not write: refused."""
-        if off == 0 or pos - 1 < n_sink:
+        if _starts_page(off, pos, n_sink):
             return 0
         return _checked_fill(int(first[blk, off - 1]) + int(count[blk, off - 1]), cap, blk, off)
 
@@ -601,11 +607,11 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         count, first, index, value = self._pool_views(kv_cache, where)
         m = blk.numel()
         counts, o_index, o_value = vllm_slots.outlier_lists(tensors, m)
-        bl, ol, pl = blk.tolist(), off.tolist(), pos.tolist()
         start = torch.full((m,), -1, dtype=torch.int64)
-        for j in range(m):   # a run's first token: its fill from the page (the previous token, or 0)
-            if j == 0 or bl[j] != bl[j - 1] or ol[j] != ol[j - 1] + 1:
-                start[j] = self._pool_start(count, first, bl[j], ol[j], pl[j], n_sink, where["cap"])
+        head = torch.ones(m, dtype=torch.bool)   # a run's first token: its fill from the page (the previous token, or 0)
+        head[1:] = (blk[1:] != blk[:-1]) | (off[1:] != off[:-1] + 1)
+        for j in head.nonzero().flatten().tolist():
+            start[j] = self._pool_start(count, first, int(blk[j]), int(off[j]), int(pos[j]), n_sink, where["cap"])
         at = vllm_slots.pool_places(counts, start, where["cap"])
         count[blk, off] = at["kept"].to(torch.int16)
         first[blk, off] = at["first"].to(torch.int16)
@@ -643,7 +649,7 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                     b, o = step["blk_list"][j], step["off_list"][j]
                     page = base0 + b * kv_cache.stride(0)
                     cnt, fst = page + where["count"] + 2 * o, page + where["first"] + 2 * o   # this token's fields
-                    start = 0 if o == 0 or p - 1 < sl.n_sink else _checked_fill(
+                    start = 0 if _starts_page(o, p, sl.n_sink) else _checked_fill(
                         i16.from_address(fst - 2).value + i16.from_address(cnt - 2).value, where["cap"], b, o)
                     got = cpu_attention.encode_into(x.view(1, h, 1, d), pol, p, r, base + s.codes,
                                                     None if s.scale is None else base + s.scale,
