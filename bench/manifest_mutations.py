@@ -14,8 +14,8 @@ Modes:
   member) written without a new digest; json_resigned: the same edits re-signed, as a tool that recomputes the
   digest would write them, so that the schema, the cross-checks and the binding to the tensor file refuse;
 - tensor_values_resigned: one calibrated float tensor poisoned (NaN, +inf or -inf in any of them; a negative range;
-  lower > upper in one channel; an fp8 scale of 0, negative or above the format's range; a smoothing factor of 0 or
-  below; prefix K/V beyond float16), re-signed as a tool would (the tensor's sha256, the tensor file's sha256 and
+  lower > upper in one channel; a subnormal range; an fp8 scale of 0, subnormal, negative or above
+  the format's range; a smoothing factor of 0, subnormal or below; prefix K/V beyond float16), re-signed as a tool would (the tensor's sha256, the tensor file's sha256 and
   the manifest digest; the header's bound fields unchanged). Refused, or silent: a poisoned value changes decoding.
   A re-signed edit to another VALID value (a range x 0.5, range = 0 on a channel, a shifted codebook) is another
   calibration that no loader can tell from a real one; `pipeline check`'s quality canary is what sees it
@@ -100,8 +100,9 @@ NAMES = ["x", "expected_fraction", "fp8_dtype", "zero_point", "error", "ids", "p
          "manifest_digest", "__metadata__", "tensor"]
 # tensor_values_resigned: NONFINITE in any float tensor, and each tensor role's own out-of-range values
 NONFINITE = ("nan", "+inf", "-inf")
-ROLE_POISONS = {"range": ("negative",), "lower": ("above_upper",), "upper": ("below_lower",),
-                "fp8_scale": ("zero", "negative", "above_max"), "smooth": ("zero", "negative"),
+ROLE_POISONS = {"range": ("negative", "subnormal"), "lower": ("above_upper",),
+                "upper": ("below_lower",), "fp8_scale": ("zero", "negative", "above_max", "subnormal"),
+                "smooth": ("zero", "negative", "subnormal"),
                 "prefix.k": ("beyond_fp16",), "prefix.v": ("beyond_fp16",),
                 "rotation_signs": ("zero", "half")}   # signs are exactly +1 or -1
 FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -336,6 +337,8 @@ def poison_value(o: Original, tensors: dict[str, torch.Tensor], name: str, kind:
         return 0.0
     if kind == "half":
         return 0.5
+    if kind == "subnormal":   # below float32's smallest normal: no scale or factor means anything there
+        return 1e-40
     if kind == "above_max":   # twice the largest scale whose decoded values fit float16
         _, i, side, _ = name.split(".")
         return 2 * FP16_MAX / FP8[o.manifest["layers"][int(i)][side]["fp8_dtype"]][1]

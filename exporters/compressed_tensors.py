@@ -297,14 +297,15 @@ def _scales(dir_fd: int, where: str) -> dict[str, torch.Tensor]:
 def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True):
     """A checkpoint folder -> its native Artifact, fully checked: the artifact strictly (exporters.artifact, from
     kvcalib/, a real folder of the checkpoint); every file of the folder against kvcalib/checkpoint.json (none
-    missing, none changed, none added at the top level; each a regular file inside the folder, its size checked
-    before it is hashed); config.json's `architectures`; then per kind (checkpoint_kind of the artifact's policy):
-    fp8: config.json's quantization_config, the index listing every scale in the scales file, and the scales
-    themselves equal to the artifact's; packed: no quantization_config in config.json, no scales file in the folder
-    nor in the index. Every file is read through one descriptor of the folder, as untrusted input (read_inside).
-    Raises CheckpointError / ChecksumError / another ManifestError naming what differs. hash_files=False: the files
-    are checked present, regular and of their recorded size but not re-hashed (the writer, whose record was just
-    hashed from those very files)."""
+    missing, none changed, none added at the top level nor under a recorded subfolder such as kvcalib/:
+    _refuse_unrecorded; each a regular file inside the folder, its size checked before it is hashed); config.json's
+    `architectures`; then per kind (checkpoint_kind of the artifact's policy): fp8: config.json's
+    quantization_config, the index listing every scale in the scales file, and the scales themselves equal to the
+    artifact's; packed: no quantization_config in config.json, no scales file in the folder nor in the index. Every
+    file is read through one descriptor of the folder, as untrusted input (read_inside). Raises CheckpointError /
+    ChecksumError / another ManifestError naming what differs. hash_files=False: the files are checked present,
+    regular and of their recorded size but not re-hashed (the writer, whose record was just hashed from those very
+    files)."""
     directory = Path(directory)
     where = str(directory)
     dir_fd = open_folder(directory, where)
@@ -327,9 +328,58 @@ def verify_checkpoint(directory: str | Path, spec=None, hash_files: bool = True)
         if added:
             raise CheckpointError(f"files not in {ARTIFACT_DIR}/{RECORD_FILE}: {added[:10]} (a serving engine might "
                                   f"load them)")
+        _refuse_unrecorded(dir_fd, record, where)
         return _verify_kind(dir_fd, where, artifact)
     finally:
         os.close(dir_fd)
+
+
+def _open_subfolder(dir_fd: int, rel: str, where: str) -> int:
+    """A descriptor of the folder `rel` inside the checkpoint, every component opened without following a symbolic
+    link (O_NOFOLLOW | O_DIRECTORY): a link or anything but a folder on the way is a CheckpointError naming it."""
+    at, opened = dir_fd, []
+    try:
+        for i, part in enumerate(rel.split("/")):
+            try:
+                at = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0)
+                             | getattr(os, "O_CLOEXEC", 0), dir_fd=at)
+            except OSError as exc:
+                named = "/".join(rel.split("/")[: i + 1])
+                raise CheckpointError(f"{where}: {named} cannot be opened as a folder inside the checkpoint "
+                                      f"({exc.strerror}); allowed a folder (no symbolic link)") from None
+            opened.append(at)
+        return opened.pop()
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _refuse_unrecorded(dir_fd: int, record: dict, where: str) -> None:
+    """Nothing under a recorded subfolder (one holding a file the record lists: kvcalib/, and the folder of any
+    listed file) that the record does not list: no file, and no folder but those its listed paths run through
+    (kvcalib/checkpoint.json itself aside). The plugin reads kvcalib/ and an engine may read a listed file's
+    folder as a whole, so a file added there (a second manifest, a stray safetensors) would be served unverified;
+    refused naming it (a folder with a trailing '/'). The top level, which may hold folders of its own, is
+    verify_checkpoint's."""
+    listed = set(record) | {f"{ARTIFACT_DIR}/{RECORD_FILE}"}
+    folders = {"/".join(rel.split("/")[:i]) for rel in listed for i in range(1, rel.count("/") + 1)}
+    added = []
+    for folder in sorted(folders):
+        fd = _open_subfolder(dir_fd, folder, where)
+        try:
+            with os.scandir(fd) as entries:
+                for e in entries:
+                    rel, is_dir = f"{folder}/{e.name}", e.is_dir(follow_symlinks=False)
+                    if not (rel in folders if is_dir else rel in listed):
+                        added.append(rel + ("/" if is_dir else ""))
+        finally:
+            os.close(fd)
+    if added:
+        added.sort()
+        raise CheckpointError(f"{ARTIFACT_DIR}/{RECORD_FILE} does not list {_shown(added[:10])}"
+                              f"{' ...' if len(added) > 10 else ''} under its recorded folder(s) "
+                              f"{_shown(sorted(folders))}: allowed only the files it lists there (re-export the "
+                              f"checkpoint with `kvcalib export-vllm`, or remove them)")
 
 
 def _verify_kind(dir_fd: int, where: str, artifact):

@@ -113,8 +113,8 @@ class PrefixError(ConsistencyError):
 
 
 class TensorValueError(ConsistencyError):
-    """A calibrated tensor holds values no decoder can use: not finite, a negative range, lower > upper, an fp8
-    scale out of the format's range (check_values)."""
+    """A calibrated tensor holds values no decoder can use: not finite, a negative or subnormal range, lower >
+    upper, an fp8 scale or a smoothing factor out of its meaningful range (check_values)."""
 
 
 class RecordError(ConsistencyError):
@@ -496,6 +496,9 @@ def check_tensors(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 
 FP16_MAX = 65504.0   # the largest float16: the served cache holds sink, residual and prefix rows in fp16
+FP16_TINY = 2.0 ** -24   # the smallest positive float16 (a subnormal): the finest value the fp16 cache holds
+F32_NORMAL = float(torch.finfo(torch.float32).tiny)   # 2^-126, the smallest normal float32: below it (a subnormal)
+                                                      # a value has no finite reciprocal (1 / 1e-45 = inf)
 
 
 
@@ -510,10 +513,23 @@ def _bad(t: torch.Tensor, ok: torch.Tensor) -> str:
 
 def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Every calibrated tensor holds values a decoder can use (checksums do not say that: anyone can recompute
-    them): finite everywhere; range >= 0 (0 only for a constant channel: it decodes to zero); lower <= upper;
-    an fp8 scale s in (0, FP16_MAX / fp8_max], so that a decoded value fits float16 as the K/V it came from did;
-    rotation signs exactly +1 or -1 (anything else is no rotation: the decode would scale the row); smoothing
-    factors > 0; prefix K/V within float16 (the cache holds them in fp16)."""
+    them), each refusal naming the tensor, the rule, the first offending value and its index:
+    - finite everywhere;
+    - range: 0 (a constant channel: it decodes to its zero-point) or a normal float32 (>= 2^-126). Below that a
+      range is no measurement of K/V -- calibration takes it from float16 / bfloat16 keys whose spreads are orders
+      of magnitude larger, so an honest near-constant channel stays far above it -- and it has no finite
+      reciprocal (1 / range = inf), which a kernel multiplying by it turns into inf or NaN;
+    - lower <= upper in every channel (static outlier bounds), see below;
+    - an fp8 scale s in [FP16_TINY / fp8_max, FP16_MAX / fp8_max]: every decoded value (a code times s, |code| <=
+      fp8_max) fits float16 as the K/V it was calibrated on did, and the largest is not below float16's smallest
+      positive value (a smaller scale decodes the whole tensor or head to zero in the float16 cache, and 1e-45 is a
+      float32 subnormal whose reciprocal, x / s on the way in, is inf; the run writes s = 1 for an all-zero amax);
+    - rotation signs exactly +1 or -1 (anything else is no rotation: the decode would scale the row);
+    - smoothing factors (SmoothAttention lambda) >= FP16_TINY: the cache stores K / lambda, its sink and recent rows
+      in float16, so below 2^-24 every key above 65504 * 2^-24 ~ 0.0039 in magnitude overflows there (a subnormal
+      lambda divides to inf at the first flush); calibration gives lambda = max|K|^alpha / max|Q|^beta, 1 for a
+      dead channel, far above it;
+    - prefix K/V within float16 (the cache holds them in fp16)."""
     def refuse(name: str, rule: str, t: torch.Tensor, ok: torch.Tensor) -> None:
         if not bool(ok.all()):
             raise TensorValueError(f"tensor {name!r}: {rule}; {_bad(t, ok)}")
@@ -527,13 +543,22 @@ def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
             if "range" in refs:
                 t = tensors[refs["range"]]
                 refuse(refs["range"], "range must be >= 0 (0 only for a constant channel)", t, t >= 0)
+                refuse(refs["range"], f"range must be 0 (a constant channel) or a normal float32 >= {F32_NORMAL:g} "
+                                      f"(2^-126; a subnormal range has no finite reciprocal)", t,
+                       (t == 0) | (t >= F32_NORMAL))
             if "lower" in refs:
+                # lower == upper is allowed: Gemma 3 270M has key channels that are exactly 0 on every token (its
+                # k_norm), and honest bounds of such a channel are 0 and 0 (3 of layer 0's 256 channels). Bounds
+                # equal on a channel that varies make its entries outliers beyond the declared fraction: the
+                # serving cache caps what it holds at (1 + OUTLIER_MARGIN) x the declared count (serving/cache.py).
                 lo, hi = tensors[refs["lower"]], tensors[refs["upper"]]
                 refuse(refs["lower"], f"lower must be <= upper ({refs['upper']}) in every channel", lo, lo <= hi)
             if "fp8_scale" in refs:
-                t, top = tensors[refs["fp8_scale"]], FP16_MAX / FP8[p["fp8_dtype"]][1]
-                refuse(refs["fp8_scale"], f"an fp8 scale must be in (0, {top:g}] (fp16 max / {p['fp8_dtype']} max)",
-                       t, (t > 0) & (t <= top))
+                fmax = FP8[p["fp8_dtype"]][1]
+                t, low, top = tensors[refs["fp8_scale"]], FP16_TINY / fmax, FP16_MAX / fmax
+                refuse(refs["fp8_scale"], f"an fp8 scale must be in [{low:.6g}, {top:g}] (fp16's smallest positive "
+                                          f"2^-24 / {p['fp8_dtype']} max, fp16 max / {p['fp8_dtype']} max)",
+                       t, (t >= low) & (t <= top))
             if "rotation_signs" in refs:
                 t = tensors[refs["rotation_signs"]]
                 refuse(refs["rotation_signs"], "rotation_signs entries must be exactly +1 or -1", t,
@@ -541,7 +566,8 @@ def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
     cache = manifest["cache"]
     if cache["smoothing"]:
         t = tensors[cache["smoothing"]["tensor"]]
-        refuse(cache["smoothing"]["tensor"], "smoothing factors must be > 0", t, t > 0)
+        refuse(cache["smoothing"]["tensor"], f"smoothing factors must be >= {FP16_TINY:g} (2^-24, fp16's smallest "
+                                             f"positive: the cache holds K / lambda in fp16)", t, t >= FP16_TINY)
     if cache["prefix"]:
         for ref in ("k", "v"):
             name = cache["prefix"]["tensors"][ref]

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from pipeline.check_config import CheckConfig, validate_check_options
-from pipeline.errors import (EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, RuntimeCheckError, UserError, refusal_text,
-                             user_errors)
+from pipeline.errors import (EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, MAX_REFUSAL_CHARS, RuntimeCheckError, UserError,
+                             path_argument, shown, user_errors)
 
 if TYPE_CHECKING:
     import torch
@@ -68,15 +68,48 @@ def triton_kernel(native: bool) -> Callable:
     return kernel
 
 
-def model_config_for(manifest: dict, overrides: list[str] | None = None):
-    """The model the artifact names: its recorded model.source (pipeline.model.model_source: the folder, hub id or
-    embedded package and the run's model settings), with `model.<field>=VALUE` overrides on top (a moved folder:
-    model.path=...; another device: model.device=...). An artifact written before model.source existed names its
-    conf/model/<name>.yaml."""
-    from pipeline.model import config_from_source
+RANDOM_SOURCES = ("tiny", "shape")   # models built from settings, with random weights: never followed unasked
 
-    source = manifest["model"].get("source") or {"config": manifest["model"]["name"]}
-    return config_from_source(source, overrides)
+
+def model_config_for(manifest: dict, overrides: list[str] | None = None, model_name: str | None = None):
+    """The model `check` judges on: the artifact's recorded model.source (pipeline.model.model_source: the folder,
+    hub id or embedded package and the run's model settings) as a suggestion, with `model.<field>=VALUE` overrides on
+    top (a moved folder: model.path=...; another device: model.device=...), or the user's conf/model/<model_name>.yaml
+    (`model=NAME`). An artifact written before model.source existed names its conf/model/<name>.yaml.
+
+    Followed without asking only to a model already on this machine: an embedded package, a local folder or GGUF
+    file, a hub snapshot in the local cache (never a download). A random model (model.source tiny or shape) is built
+    from settings the artifact wrote, so a stranger's artifact could name a random twin of any shape and tokenizer:
+    only the user's own `model.source=...` or `model=NAME` on the command line loads one (and its size is bounded,
+    pipeline.model.refuse_unbounded). Whichever model loads, its weights' sha256 is then compared with the artifact's
+    record (run_check)."""
+    from pipeline.model import _hub_snapshot, config_from_source
+
+    overrides = list(overrides or [])
+    if model_name is not None:
+        source = {"config": model_name}
+    else:
+        source = manifest["model"].get("source") or {"config": manifest["model"]["name"]}
+    cfg = config_from_source(source, overrides)
+    asked = model_name is not None or any(o.partition("=")[0] == "model.source" for o in overrides)
+    if cfg.source in RANDOM_SOURCES and not asked:
+        raise UserError(f"model.source: the artifact names a random model ({cfg.source!r}, built from settings the "
+                        f"artifact wrote), which check does not follow unasked; allowed without asking: a model on "
+                        f"this machine (embedded, local, gguf, hub from the local cache). Pass the model to judge on: "
+                        f"model.path=FOLDER (your model) or model=NAME; for a random test model say "
+                        f"model.source={cfg.source} yourself")
+    if cfg.source == "hub" and cfg.path and not Path(cfg.path).expanduser().is_dir() \
+            and _hub_snapshot(cfg.path, local_only=True) is None:
+        raise UserError(f"model.source=hub: {cfg.path!r} is not in this machine's Hugging Face cache, and check never "
+                        f"downloads a model an artifact names; pass model.path=FOLDER (the model's folder)")
+    return cfg
+
+
+def judged_on(spec) -> str:
+    """The model a verdict was reached on, as a user recognizes it: name, where it came from, weights' sha256."""
+    src = spec.source or {}
+    where = src.get("kind", "?") + (f" {src['path']}" if src.get("path") else "")
+    return f"{shown(spec.name)} ({shown(where)}), weights sha256 {spec.model_sha256[:12]}"
 
 
 def refuse_malformed_model_config(model_cfg) -> None:
@@ -132,32 +165,34 @@ def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
 
 def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | None = None,
               kernel: Callable | None = None, write: bool = True, log: Callable[[str], None] = print,
-              model_overrides: list[str] | None = None) -> dict:
+              model_overrides: list[str] | None = None, model_name: str | None = None) -> dict:
     """Kernel vs oracle on real K/V of the model the artifact names -> the runtime_check record. write=True (the
     run, on the artifact it is still writing) also records it in the manifest; `python -m pipeline check` passes
     write=False and never changes an artifact (main writes the record beside it). The artifact is read and verified
     whole (digest, schema, every checksum) before any model loads; then the model (model_bundle: a
     pipeline.model.LoadedModel, else the one the manifest's model.source names with model_overrides on top) is
     bound to it (weights, shapes, RoPE, tokenizer). kernel: the attention under test (DecodeInputs -> [B, H_q, D]);
-    tests pass a faulty one."""
+    tests pass a faulty one. write=False (`check`): the model is model_config_for's (model_name: the user's
+    `model=NAME`), its weights' sha256 must be the artifact's (cfg.allow_other_model: a deliberate transfer,
+    recorded), the canary the artifact claims is required and re-measured (cfg.allow_unclaimed), and the record names
+    the model judged on (`judged_on`)."""
     from exporters.compressed_tensors import is_checkpoint
-    from exporters.manifest import check_model
     from exporters.native import load_artifact, update_manifest
 
     native = ensure_backend()  # Triton's interpreter chosen before anything imports triton
     cfg = cfg or CheckConfig()
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
-    validate_check_options(contexts, batches, None, cfg.canary_tokens)  # before anything is loaded for nothing
+    validate_check_options(contexts, batches, None, cfg.canary_tokens, cfg.max_kl, cfg.min_top1)  # before any load
     if is_checkpoint(artifact_dir):  # a vLLM checkpoint's sealed copy (kvcalib/): checked, never rewritten
         write = False
     artifact = load_artifact(artifact_dir)  # the whole folder verified, before the model
     if model_bundle is None:
         from pipeline.model import load_model
-        model_cfg = model_config_for(artifact.manifest, model_overrides)
+        model_cfg = model_config_for(artifact.manifest, model_overrides, model_name)
         refuse_malformed_model_config(model_cfg)
         model_bundle = load_model(model_cfg)
-    check_model(artifact.manifest, model_bundle.spec)
+    other_model = bind_model(artifact.manifest, model_bundle.spec, cfg.allow_other_model)
 
     import triton
 
@@ -177,8 +212,10 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
                            model_bundle.spec.max_positions - (0 if prefix is None else prefix["ids"].numel()))
     windows = eval_ids(model_bundle.tokenizer, max(batches), max(contexts) + 1)
     tol, reason = tolerance(artifact.manifest)
-    log(f"runtime check: {artifact.manifest['recipe']} on {artifact.manifest['model']['name']}, "
+    log(f"runtime check: {shown(artifact.manifest['recipe'])} for {shown(artifact.manifest['model']['name'])}, "
         f"contexts {contexts} x batches {batches}, {model_bundle.spec.n_layers} layers, {device_name()}")
+    log(f"  judged on: {judged_on(model_bundle.spec)}"
+        + ("; ANOTHER model than calibrated (allow_other_model=true)" if other_model else ""))
     cases, timing, error = [], {"kernel_s": 0.0, "oracle_s": 0.0}, None
     for t in contexts:
         for b in batches:
@@ -201,7 +238,14 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
             break
     canary = None
     if cfg.canary_tokens and error is None:
-        canary = quality_canary(artifact, model_bundle, cfg.canary_tokens, log)
+        judged = not write and not other_model  # `check` judges the claim; a run is measuring it
+        try:
+            canary = quality_canary(artifact, model_bundle, cfg, log, judge_claim=judged,
+                                    require_claim=judged and not cfg.allow_unclaimed, claims=not write)
+        except CanaryCannotRun as exc:
+            error = str(exc)
+    elif not cfg.canary_tokens:
+        log("  quality canary: off (canary_tokens=0): the verdict is the kernels' alone")
     passed = error is None and bool(cases) and all(c["ok"] for c in cases) and (canary is None or canary["ok"])
     result = {
         "status": "passed" if passed else "failed",
@@ -216,6 +260,12 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         result["canary"] = canary
     if error:
         result["error"] = error
+    if not write:  # the check record beside the artifact (not the manifest's runtime_check, whose schema is fixed)
+        result["manifest_digest"] = artifact.manifest["manifest_digest"]  # export-vllm trusts only its own artifact's
+        result["judged_on"] = {"model": judged_on(model_bundle.spec), "sha256": model_bundle.spec.model_sha256,
+                               "source": model_bundle.spec.source, "other_model": other_model,
+                               "allow_unclaimed": cfg.allow_unclaimed, "max_kl": cfg.max_kl,
+                               "min_top1": cfg.min_top1}
     if write:
         update_manifest(artifact_dir, runtime_check=result)
     if passed:
@@ -225,29 +275,93 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         why = error or ("the quality canary " + canary["reason"] if canary is not None and not canary["ok"]
                         else "kernel and oracle disagree beyond the tolerance")
         log(f"runtime check FAILED: {why}")
+    log(f"  verdict reached on {judged_on(model_bundle.spec)}")
     return result
 
 
-def quality_canary(artifact, model_bundle, tokens: int, log: Callable[[str], None]) -> dict | None:
-    """runtime_check/canary.py on the artifact's policy and the model: measured, then judged against the
-    calibration-free limit and the canary the artifact's run recorded (manifest runtime_check.canary), if any."""
+def bind_model(manifest: dict, spec, allow_other_model: bool = False) -> bool:
+    """The model loaded is the one the artifact was calibrated for: its weights' sha256 (config + weights) first,
+    refused by name (ModelMismatchError, exit 2) unless allow_other_model (a deliberate transfer: then every other
+    field -- shapes, RoPE, tokenizer -- must still agree); then exporters.manifest.check_model. -> True when the
+    weights differ (allowed)."""
+    import dataclasses
+
+    from exporters.manifest import ModelMismatchError, check_model
+
+    recorded = manifest["model"]["sha256"]
+    other = spec.model_sha256 != recorded
+    if other and not allow_other_model:
+        raise ModelMismatchError(
+            f"model/sha256: the artifact was calibrated for {shown(manifest['model']['name'])} with weights sha256 "
+            f"{shown(recorded)[:12]}; the model loaded, {judged_on(spec)}, is another model. Pass the model it was "
+            f"calibrated on (model.path=FOLDER or model=NAME), or allow_other_model=true to judge a deliberate "
+            f"transfer")
+    check_model(manifest, dataclasses.replace(spec, model_sha256=recorded) if other else spec)
+    return other
+
+
+class CanaryCannotRun(Exception):
+    """The canary does not fit the model: a failed check (its error), never a skipped canary."""
+
+
+def quality_canary(artifact, model_bundle, cfg: CheckConfig, log: Callable[[str], None], judge_claim: bool = True,
+                   require_claim: bool = True, claims: bool = True) -> dict:
+    """runtime_check/canary.py on the artifact's policy and the model: measured, then judged against the absolute
+    limits (cfg.max_kl, cfg.min_top1), the canary the artifact claims (manifest runtime_check.canary: judge_claim,
+    require_claim), the model's own prefix rows and the layers' flush units. A canary that cannot run is a failed
+    one (never skipped). claims: print the artifact's claims (its recorded evaluation and canary) as claims -- not in
+    the run, which is writing them."""
     from runtime_check import canary
     from runtime_check.check import artifact_prefix
+    from serving.cache import prefix_rows
 
-    recorded = (artifact.manifest.get("runtime_check") or {}).get("canary")
-    fit = canary.lengths(artifact.policy, model_bundle.spec.max_positions, tokens)
+    policy, spec, manifest = artifact.policy, model_bundle.spec, artifact.manifest
+    claim = (manifest.get("runtime_check") or {}).get("canary") if judge_claim else None
+    if claims:
+        show_claims(manifest, judge_claim, log)
+    findings = canary.never_stored(policy, spec.max_positions)
+    prefix = artifact_prefix(artifact)
+    if prefix is not None:
+        import torch
+
+        with torch.no_grad():
+            computed = prefix_rows(policy, model_bundle.model, None)
+        if why := canary.prefix_difference(prefix, computed):
+            findings.append(why)
+    tokens = claim["tokens"] if claim and isinstance(claim.get("tokens"), int) else cfg.canary_tokens
+    fit = canary.lengths(policy, spec.max_positions, tokens)
     if fit is None:
-        log(f"  quality canary: not run -- the model's {model_bundle.spec.max_positions} positions cannot hold the "
-            f"artifact's sink, residual and stored rows and 16 scored tokens")
-        return None
+        raise CanaryCannotRun(f"the quality canary cannot run: the model's {spec.max_positions} positions cannot hold "
+                              f"the artifact's prefix, sink, residual and stored rows and {canary.MIN_TOKENS} scored "
+                              f"tokens")
     warmup, tokens = fit
     ids = eval_ids(model_bundle.tokenizer, 1, warmup + tokens)
-    measured = canary.measure(model_bundle.model, artifact.policy, ids, warmup, artifact_prefix(artifact))
-    result = canary.judge(measured, recorded)
+    measured = canary.measure(model_bundle.model, policy, ids, warmup, prefix)
+    result = canary.judge(measured, claim, cfg.max_kl, cfg.min_top1, require_claim, findings)
     log(f"  quality canary ({result['tokens']} tokens decoded after {result['warmup']}): KL "
-        f"{result['kl']:.4g} nats, top-1 agreement {result['agreement']:.3f}; calibration-free baseline KL "
-        f"{result['baseline_kl']:.4g} -> {result['reason']}")
+        f"{result['kl']:.4g} nats, top-1 agreement {result['agreement']:.3f} (calibration-free at the same bits, for "
+        f"reference: KL {result['baseline_kl']:.4g}) -> {result['reason']}")
     return result
+
+
+def show_claims(manifest: dict, judged: bool, log: Callable[[str], None]) -> None:
+    """The artifact's own records, printed as what they are: claims (re-signable by whoever wrote the artifact). The
+    canary claim is re-measured by the canary; the evaluation is not (it needs the run's text and windows)."""
+
+    ev = (manifest.get("evaluation") or {}).get(manifest["recipe"])
+    if ev and "ppl_ratio" in ev:
+        ci = ev.get("ppl_ratio_ci95")
+        log(f"  claimed by the artifact, not measured here: perplexity x{ev['ppl_ratio']:.4f} of fp16"
+            + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "") + f" for {shown(manifest['recipe'])}")
+    else:
+        log("  claimed by the artifact: no evaluation of its recipe")
+    claim = (manifest.get("runtime_check") or {}).get("canary")
+    if claim:
+        log(f"  claimed canary: KL {claim.get('kl', float('nan')):.4g} nats, top-1 "
+            f"{claim.get('agreement', float('nan')):.3f} over {claim.get('tokens')} tokens -- "
+            + ("re-measured below" if judged else "not judged (another model)"))
+    else:
+        log("  claimed canary: none recorded")
 
 
 def result_path(artifact_dir: str | Path) -> Path:
@@ -257,8 +371,9 @@ def result_path(artifact_dir: str | Path) -> Path:
     return directory.parent / f"{directory.name}.check.json"
 
 
-USAGE = """usage: {prog} check ARTIFACT [model.<field>=VALUE ...] [contexts=[64,200]] [batches=[1,2]]
-                     [gpu_contexts=[...]] [--out FILE]
+USAGE = """usage: {prog} check ARTIFACT [model=NAME] [model.<field>=VALUE ...] [contexts=[64,200]] [batches=[1,2]]
+                     [gpu_contexts=[...]] [max_kl=0.25] [min_top1=0.75] [allow_unclaimed=true]
+                     [allow_other_model=true] [--out FILE]
 
 Runs the runtime equivalence check on an exported artifact (or a vLLM checkpoint folder written by export-vllm):
 the decode kernels (Triton; on a CPU also the fused C kernel) reading the artifact's stored cache against the
@@ -266,13 +381,20 @@ oracle, on real K/V of the model the artifact was calibrated on. The artifact is
 checksums) before the model loads, and is never modified.
 
   ARTIFACT                 the artifact folder (outputs/<date>/<time>/artifact) or a vLLM checkpoint folder
+  model=NAME               judge on conf/model/NAME.yaml's model (e.g. model=llama3 model.path=FOLDER)
   model.<field>=VALUE      override where the model comes from; by default the model recorded in the
-                           manifest (model.source): e.g. model.path=/new/place/of/the/folder, model.device=cuda
+                           manifest (model.source), followed only to a model on this machine (an embedded
+                           package, a folder, a cached hub snapshot) whose weights' sha256 is the artifact's;
+                           never a download, never a random model unasked: e.g. model.path=/new/place/of/the/folder
   contexts, batches        the context lengths and batch sizes checked on a CPU (default [64,200] x [1,2])
   gpu_contexts             the context lengths checked on a GPU (default [64,200,1024,4096])
-  canary_tokens            tokens of the quality canary (default 128; 0: off): model-sampled text served
-                           through the artifact's cache, KL vs full precision, judged against a calibration-free
-                           baseline and the canary the artifact's run recorded (docs/manifest.md)
+  canary_tokens            tokens of the quality canary (default 128; 0: off): text served through the
+                           artifact's cache, KL and top-1 vs the model's own forward (docs/manifest.md)
+  max_kl, min_top1         the canary's absolute limits (default 0.25 nats, 0.75): the artifact cannot move them
+  allow_unclaimed=true     judge an artifact that records no canary of its run on the limits alone (by default
+                           its claimed canary is required and re-measured: a claim worse than measured fails)
+  allow_other_model=true   judge on a model with other weights than the artifact was calibrated on (a deliberate
+                           transfer; printed in the verdict; the claims are then shown, not judged)
   --out FILE               where the record (JSON) goes; default ARTIFACT.check.json beside the folder
 
 exit codes: 0 passed, 1 failed, 2 refused (artifact, model or option)
@@ -292,27 +414,41 @@ def main(args: list[str]) -> int:
     from exporters.files import atomic_write_json
 
     rest, out = list(args[1:]), None
-    if "--out" in rest:
-        i = rest.index("--out")
-        if i + 1 >= len(rest):
-            print("error: --out needs a FILE", file=sys.stderr)
-            return EXIT_USER
-        out = Path(rest[i + 1])
-        del rest[i : i + 2]
+    try:
+        if "--out" in rest:
+            i = rest.index("--out")
+            if i + 1 >= len(rest):
+                raise UserError("--out needs a FILE")
+            out = Path(path_argument(rest[i + 1], "--out"))
+            del rest[i : i + 2]
+        path_argument(args[0], "ARTIFACT")
+    except UserError as exc:
+        print(f"error: {shown(exc, MAX_REFUSAL_CHARS)}", file=sys.stderr)
+        return EXIT_USER
     directory = args[0]
     model_overrides = [a for a in rest if a.startswith("model.")]
-    overrides = [a.removeprefix("check.") for a in rest if not a.startswith("model.")]
+    names = [a.removeprefix("model=") for a in rest if a.startswith("model=")]
+    overrides = [a.removeprefix("check.") for a in rest if not a.startswith(("model.", "model="))]
     try:
         if not Path(directory).is_dir():
             raise UserError(f"ARTIFACT: no such folder {directory!r} (an artifact folder holds manifest.json and "
                             f"tensors.safetensors: outputs/<date>/<time>/artifact)")
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CheckConfig), OmegaConf.from_dotlist(overrides)))
-        result = run_check(directory, cfg=cfg, write=False, model_overrides=model_overrides)
+        if len(names) > 1:
+            raise UserError(f"model=NAME: given {len(names)} times ({', '.join(names)}); allowed once")
+        if names:
+            from pipeline.config import model_names
+
+            if names[0] not in model_names():
+                raise UserError(f"model={names[0]!r}: allowed one of {model_names()} (conf/model/<name>.yaml), or "
+                                f"model.path=FOLDER for a model folder")
+        result = run_check(directory, cfg=cfg, write=False, model_overrides=model_overrides,
+                           model_name=names[0] if names else None)
     except OmegaConfBaseException as exc:
         print(f"error: invalid check option: {exc}", file=sys.stderr)
         return EXIT_USER
     except user_errors() as exc:  # the strict loader refused the artifact, or an option / the model was refused
-        print(f"error: {directory}: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
+        print(f"error: {shown(directory)}: {type(exc).__name__}: {shown(exc, MAX_REFUSAL_CHARS)}", file=sys.stderr)
         return EXIT_USER
     target = out or result_path(directory)
     atomic_write_json(target, result)
@@ -320,6 +456,7 @@ def main(args: list[str]) -> int:
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 
 
-__all__ = ["run_check", "main", "result_path", "USAGE", "triton_kernel", "model_config_for",
+__all__ = ["run_check", "main", "result_path", "USAGE", "triton_kernel", "model_config_for", "judged_on",
+           "bind_model", "quality_canary", "show_claims", "CanaryCannotRun", "RANDOM_SOURCES",
            "refuse_malformed_model_config", "eval_ids", "ensure_backend", "device_name",
            "RuntimeCheckError"]

@@ -2,6 +2,7 @@
 (pyproject.toml [project.scripts] points the console script at `main`)."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -42,16 +43,65 @@ def main(argv: list[str] | None = None) -> None:
         print(command_help(command))
         sys.exit(EXIT_OK)
     if command == "run":
+        refused = refuse_unusable_paths(command, rest)
+        if refused is not None:
+            sys.exit(refused)
         sys.argv = [sys.argv[0], *rest]
         sys.exit(_hydra_run())
     if not rest:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
         sys.exit(EXIT_USER)
+    refused = refuse_unusable_paths(command, rest)
+    if refused is not None:
+        sys.exit(refused)
     try:
         code = {"show": _show, "check": _check, "export-vllm": _export_vllm, "recommend": _recommend}[command](rest)
     except Exception as exc:  # noqa: BLE001 -- what no handler expected is a bug: its own code, never EXIT_USER's
         code = internal_error(exc)
     sys.exit(code)
+
+
+# each command's positional arguments as its usage names them; the options whose next argument is their value
+POSITIONAL = {"show": ("ARTIFACT",), "check": ("ARTIFACT",), "export-vllm": ("ARTIFACT", "OUT"),
+              "recommend": ("RUN_DIR",)}
+VALUE_OPTIONS = ("--platform", "--engine", "--max-ppl-ratio")   # recommend's (values, not paths)
+PATH_OPTIONS = ("--out",)                                       # check's: a path
+PATH_KEYS = ("model.path", "data.path")                         # key=PATH (run: both; the others: model.path)
+
+
+def path_arguments(command: str, args: list[str]) -> list[tuple[str, str]]:
+    """(name, value) of every path a command line of `command` gives: its positional arguments named as its usage
+    names them (ARTIFACT, OUT, RUN_DIR; any further one "argument"), --out FILE and model.path=DIR."""
+    names, out, i = iter(POSITIONAL.get(command, ())), [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg in VALUE_OPTIONS + PATH_OPTIONS:
+            if arg in PATH_OPTIONS and i + 1 < len(args):
+                out.append((arg, args[i + 1]))
+            i += 2
+            continue
+        key, sep, value = arg.partition("=")
+        if sep and key in PATH_KEYS:
+            out.append((key, value))
+        elif not sep and not arg.startswith("-"):
+            out.append((next(names, "argument"), arg))
+        i += 1
+    return out
+
+
+def refuse_unusable_paths(command: str, args: list[str]) -> int | None:
+    """EXIT_USER, with one line naming the argument, for a path the system cannot look up at all (longer than
+    PATH_MAX, a component longer than NAME_MAX, a loop of links: pipeline.errors.path_argument), before the command
+    stats it and fails with OSError (EXIT_INTERNAL); None: every path can be looked up (existing or not)."""
+    from pipeline.errors import UserError, path_argument, refusal_text
+
+    try:
+        for what, value in path_arguments(command, args):
+            path_argument(value, what)
+    except UserError as exc:
+        print(f"error: {refusal_text(exc)}", file=sys.stderr)
+        return EXIT_USER
+    return None
 
 
 def internal_error(exc: BaseException) -> int:
@@ -76,7 +126,8 @@ Prints an artifact's summary and lineage (model, recipe, per-layer formats, eval
 stages), read through the strict loader; or, given an MLflow run id, that run's record read back from MLflow.
 
   ARTIFACT           an artifact folder (outputs/<date>/<time>/artifact)
-  RUN_ID             an MLflow run id (printed by `run` as `mlflow: run RUN_ID ...`; the MLflow UI shows it)
+  RUN_ID             an MLflow run id, 32 hexadecimal digits (printed by `run` as `mlflow: run RUN_ID ...`; the
+                     MLflow UI shows it); an argument with a '/' or a leading '.' or '~' is a folder, never a run id
   tracking.uri=URI   the MLflow store to read RUN_ID from (default: $MLFLOW_TRACKING_URI, else
                      sqlite:///mlruns.db in the working folder)
 
@@ -143,27 +194,58 @@ def run_help() -> str:
     return RUN_USAGE.format(prog=prog(), groups="\n".join(groups), keys="\n".join(keys))
 
 
+RUN_ID = re.compile(r"[0-9a-f]{32}")   # an MLflow run id: uuid4().hex, as `run` prints it (mlflow: run RUN_ID)
+
+
+def show_target(target: str) -> str:
+    """What `show TARGET` names: "artifact" (an existing folder) or "run" (an MLflow run id), told apart before
+    MLflow is consulted (opening a store takes most of a minute). Refused at once (UserError) otherwise: a path --
+    a separator in it, or a leading '.' or '~' -- that is no existing folder; anything else that is no run id, with
+    both readings said."""
+    import os
+
+    from pipeline.errors import UserError, path_argument, shown
+
+    path = path_argument(target, "ARTIFACT")
+    if path.is_dir():
+        return "artifact"
+    separators = {os.sep, os.altsep or os.sep, "/"}
+    if any(sep in target for sep in separators) or target.startswith((".", "~")):
+        what = "is not a folder" if path.exists() else "no such folder"
+        raise UserError(f"ARTIFACT: {what}: {shown(target)} (an artifact folder holds manifest.json and "
+                        f"tensors.safetensors: outputs/<date>/<time>/artifact)")
+    if RUN_ID.fullmatch(target):
+        return "run"
+    raise UserError(f"{shown(target)} is neither an artifact folder (no folder of that name here) nor an MLflow run "
+                    f"id (32 lowercase hexadecimal digits, as `run` prints it: `mlflow: run RUN_ID ...`)")
+
+
 def _show(args: list[str]) -> int:
-    from pipeline.errors import refusal_text, user_errors
+    from pipeline.errors import UserError, refusal_text, shown, user_errors
 
     target = args[0]
     if hasattr(sys.stdout, "reconfigure"):  # a manifest's text on a terminal that cannot encode it: escaped
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
-        if Path(target).is_dir():
-            from pipeline.show import show_artifact
-            print(show_artifact(target))
-            return EXIT_OK
-        return _show_run(target, args[1:])
-    except user_errors() as exc:  # the strict loader refused the artifact, or no such run
-        print(f"error: {target}: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
+        kind = show_target(target)
+    except UserError as exc:  # the argument names neither an artifact folder nor a run: its message says which
+        print(f"error: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_USER
+    if kind == "run":
+        return _show_run(target, args[1:])
+    try:
+        from pipeline.show import show_artifact
+        print(show_artifact(target))
+    except user_errors() as exc:  # the strict loader refused the artifact
+        print(f"error: {shown(target)}: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
+        return EXIT_USER
+    return EXIT_OK
 
 
 def _show_run(run_id: str, args: list[str]) -> int:
     import os
 
-    from pipeline.errors import UserError
+    from pipeline.errors import UserError, refusal_text
     from pipeline.tracking import TrackingError, show_run
 
     uri = next((a.split("=", 1)[1] for a in args if a.startswith("tracking.uri=")),
@@ -171,10 +253,10 @@ def _show_run(run_id: str, args: list[str]) -> int:
     try:
         print(show_run(run_id, uri))
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_USER
     except TrackingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     return EXIT_OK
 
@@ -193,13 +275,13 @@ def _export_vllm(args: list[str]) -> int:
 
 
 def _recommend(args: list[str]) -> int:
-    from pipeline.errors import user_errors
+    from pipeline.errors import refusal_text, user_errors
     from pipeline.recommend import recommend_main
 
     try:
         print(recommend_main(args, prog()))
     except user_errors() as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"error: {type(exc).__name__}: {refusal_text(exc)}", file=sys.stderr)
         return EXIT_USER
     return EXIT_OK
 

@@ -18,6 +18,10 @@ ManifestError; OmegaConf and Hydra config errors); TrackingError -> 3; GateError
 """
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 from exporters.errors import InputError
 
 EXIT_OK = 0
@@ -51,8 +55,56 @@ def refusal_text(exc: BaseException, limit: int = MAX_REFUSAL_CHARS) -> str:
     terminal escapes or megabytes, so every unprintable character but a newline is escaped and the message is cut
     to `limit` characters, the rest counted."""
     text = str(exc)
-    shown = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text[:limit])
-    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+    out = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text[:limit])
+    return out if len(text) <= limit else f"{out}... ({len(text)} characters)"
+
+
+MAX_SHOWN_CHARS = 200   # one string of an artifact (a recipe or model name, a path) as printed
+
+
+def shown(value, limit: int = MAX_SHOWN_CHARS) -> str:
+    """One string from untrusted input (an artifact's recipe or model name, a path it records) as it may be printed
+    on a line of its own: every unprintable character -- newline, ESC and the other terminal controls -- written as
+    its Python escape (\\x1b, \\n), cut to `limit` characters with the rest counted."""
+    text = str(value)
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out if len(text) <= limit else f"{out}... ({len(text)} characters)"
+
+
+def _limit(name: str, default: int) -> int:
+    try:
+        return os.pathconf("/", name)
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+PATH_MAX = _limit("PC_PATH_MAX", 4096)   # bytes of a path the system looks up (Linux: 4096, the final NUL included)
+NAME_MAX = _limit("PC_NAME_MAX", 255)    # bytes of one component
+
+
+def path_argument(value: str, what: str) -> Path:
+    """A path given on the command line (`what` names it as the usage does: ARTIFACT, OUT, RUN_DIR, model.path,
+    --out) -> Path, once the system can look it up. Refused (UserError: `what`, the value as shown() prints it and
+    the system's reason) when it cannot be looked up at all: longer than PATH_MAX or with a component longer than
+    NAME_MAX (ENAMETOOLONG), a NUL character, a loop of symbolic links, a folder on the way that cannot be searched.
+    Without this, the command's first os.stat / Path.is_dir raises OSError, which says "a bug" (EXIT_INTERNAL)
+    where the input was wrong. A path that merely does not exist passes: each command says what it expected there."""
+    try:
+        os.stat(value)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except UnicodeEncodeError:   # a lone surrogate no file name encodes (argv never holds one: surrogateescape)
+        raise UserError(f"{what}: {shown(value)} is no file name this system encodes; allowed a path") from None
+    except ValueError:   # a NUL character (os.stat refuses it before the system sees it)
+        raise UserError(f"{what}: {shown(value)} holds a NUL character; allowed a path") from None
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__
+        if exc.errno == errno.ENAMETOOLONG:
+            longest = max(len(os.fsencode(part)) for part in value.split(os.sep))
+            why += (f": {len(os.fsencode(value))} bytes, the longest component {longest}; this system looks up at "
+                    f"most {PATH_MAX - 1} bytes, {NAME_MAX} per component")
+        raise UserError(f"{what}: {shown(value)}: {why}") from None
+    return Path(value)
 
 
 class GateError(RuntimeError):
@@ -76,4 +128,5 @@ class RuntimeCheckError(Exception):
 
 
 __all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "EXIT_INTERNAL", "UserError",
-           "InputError", "user_errors", "refusal_text", "GateError", "RuntimeCheckError"]
+           "InputError", "user_errors", "refusal_text", "shown", "MAX_SHOWN_CHARS", "path_argument", "PATH_MAX",
+           "NAME_MAX", "GateError", "RuntimeCheckError"]

@@ -340,15 +340,24 @@ def _load_tiny(cfg: ModelConfig):
     tok = _random_model_tokenizer(t.tokenizer, "model.tiny.tokenizer")
     if t.arch not in TINY_ARCHS:
         raise UserError(f"model.tiny.arch must be one of {TINY_ARCHS}, got {t.arch!r}")
-    if t.arch == "gemma3":
-        config = _tiny_gemma3_config(t, tok)
-    else:
-        config = LlamaConfig(
-            vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.n_layers, num_attention_heads=t.n_q_heads, num_key_value_heads=t.n_kv_heads,
-            max_position_embeddings=t.max_position_embeddings, rope_theta=t.rope_theta,
-            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
-            **({"head_dim": t.head_dim} if t.head_dim else {}))
+    try:  # transformers validates the shapes (heads dividing the hidden size ...): its refusal is the input's
+        if t.arch == "gemma3":
+            config = _tiny_gemma3_config(t, tok)
+        else:
+            config = LlamaConfig(
+                vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                num_hidden_layers=t.n_layers, num_attention_heads=t.n_q_heads, num_key_value_heads=t.n_kv_heads,
+                max_position_embeddings=t.max_position_embeddings, rope_theta=t.rope_theta,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+                **({"head_dim": t.head_dim} if t.head_dim else {}))
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- ValueError, TypeError, huggingface_hub's StrictDataclassError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"model.tiny: transformers refuses these shapes (n_layers {t.n_layers}, hidden_size "
+                        f"{t.hidden_size}, n_q_heads {t.n_q_heads}, n_kv_heads {t.n_kv_heads}, head_dim "
+                        f"{t.head_dim}): {first[:300]}") from None
+    refuse_unbounded(config, "model.tiny", torch.float32)
     with torch.random.fork_rng():
         torch.manual_seed(t.seed)
         if t.arch == "gemma3":
@@ -399,8 +408,38 @@ def _load_shape(cfg: ModelConfig, dtype: torch.dtype):
     if len(tok) > config.vocab_size:
         raise UserError(f"model.shape.preset={s.preset}: the tokenizer has {len(tok)} ids, more than the preset's "
                         f"vocabulary of {config.vocab_size}")
+    refuse_unbounded(config, "model.shape", dtype)
     model, weight_hash = shapes.random_model(config, s.seed, dtype)
     return model, tok, weight_hash
+
+
+RANDOM_MODEL_MEMORY = 0.5   # a random model (tiny, shape) may take at most this share of the machine's memory
+
+
+def random_model_parameters(config) -> int:
+    """The parameters of a decoder of `config` (a transformers Llama / Gemma 3 config), counted from its shapes
+    before anything is allocated: attention, MLP and embeddings (an untied head counted twice)."""
+    h, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    d = int(getattr(config, "head_dim", None) or h // config.num_attention_heads)
+    attention = 2 * h * d * (int(config.num_attention_heads) + int(config.num_key_value_heads))
+    embeddings = int(config.vocab_size) * h * (1 if getattr(config, "tie_word_embeddings", True) else 2)
+    return layers * (attention + 3 * h * int(config.intermediate_size)) + embeddings
+
+
+def refuse_unbounded(config, field: str, dtype: torch.dtype) -> None:
+    """A random model whose weights would take more than RANDOM_MODEL_MEMORY of this machine's memory is refused
+    (UserError naming `field`'s sizes) before it is allocated: its settings may come from an artifact, and an
+    artifact's numbers are not a size anyone chose."""
+    need = random_model_parameters(config) * torch.tensor([], dtype=dtype).element_size()
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not POSIX: 16 GiB assumed
+        memory = 16 << 30
+    if need > RANDOM_MODEL_MEMORY * memory:
+        raise UserError(f"{field}: a random model of {config.num_hidden_layers} layers, hidden size "
+                        f"{config.hidden_size}, intermediate size {config.intermediate_size} and vocabulary "
+                        f"{config.vocab_size} takes {need / 2**30:.1f} GiB; allowed at most {RANDOM_MODEL_MEMORY:g} of "
+                        f"this machine's {memory / 2**30:.1f} GiB")
 
 
 def model_spec(name: str, model: torch.nn.Module, tok, weight_hash: str, weights: str = "loaded",

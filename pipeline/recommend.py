@@ -32,17 +32,20 @@ llama.cpp (`--engine llama.cpp`): the run must have evaluated llama.cpp's own ca
 (`llamacpp.types=[...]`, pipeline/llamacpp.py: computed by llama.cpp itself, each ratio to its own f16 cache). The
 pick is the cheapest type (bits per element of its block layout) within the bound, with the `llama-server` line that
 serves it (flash attention on: llama.cpp needs it for a quantized V cache).
+
+A run folder may come from elsewhere: summary.json and .hydra/overrides.yaml are read as untrusted input (regular
+files, bounded, their depth and the types of the fields recommend reads checked: read_summary, check_summary), and
+every string of them is printed through pipeline.errors.shown (control characters and terminal escapes escaped).
 """
 from __future__ import annotations
 
 import functools
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.errors import UserError
+from pipeline.errors import PATH_MAX, UserError, path_argument, shown
 
 USAGE = """usage: {prog} recommend RUN_DIR [--engine vllm|llama.cpp] [--platform cpu|gpu] [--max-ppl-ratio R]
                          [model.<field>=VALUE ...]
@@ -83,6 +86,9 @@ FP8_RUN = "fp8-e4m3"        # the recipe whose run writes the vLLM checkpoint th
 PACKED_DIR = "vllm-packed"  # where a packed checkpoint goes in a run folder (as the run's closing lines name it)
 MODEL_DIR = "<MODEL_DIR>"   # the serve target of a model without a Hugging Face folder (a note says how to get one)
 OWN, RERUN = "this run's artifact", "needs another run"   # the verdict tags the pick lines refer to again
+LONG = 4 * PATH_MAX         # characters of a serve command or a note printed whole (its paths are the summary's)
+SUMMARY_FILE = "summary.json"
+MAX_OVERRIDES_BYTES = 1 << 20   # .hydra/overrides.yaml: one line per override of the command line
 
 
 def gate_limit(summary: dict, max_ppl_ratio: float | None) -> float:
@@ -126,19 +132,20 @@ def _pick_lines(rec: dict, name: str, none: str) -> list[str]:
     if rec["pick"] is None:
         return [none]
     pick = rec["pick"]
-    return ([f"cheapest within the gate: {pick[name]} ({pick['avg_bits']:.2f} bits)"]
-            + [f"  {c}" for c in (pick.get("prepare"), rec["command"]) if c])
+    return ([f"cheapest within the gate: {shown(pick[name])} ({pick['avg_bits']:.2f} bits)"]
+            + [f"  {shown(c, LONG)}" for c in (pick.get("prepare"), rec["command"]) if c])
 
 
 def format_llamacpp(rec: dict) -> str:
-    lines = [f"llama.cpp {rec['version']} KV cache types run by llama.cpp on this run's {rec['windows']} windows x "
-             f"{rec['seq_len']} tokens (ratio to its own f16 cache; K/V rotation "
-             f"{'on, its default' if rec['attn_rot'] else 'off'}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
+    lines = [f"llama.cpp {shown(rec['version'])} KV cache types run by llama.cpp on this run's "
+             f"{shown(rec['windows'])} windows x {shown(rec['seq_len'])} tokens (ratio to its own f16 cache; K/V "
+             f"rotation {'on, its default' if rec['attn_rot'] else 'off'}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
              f"{'-ctk/-ctv':<14}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18}{'top1':>7}  verdict"]
     for r in rec["rows"]:
         ci = _ci(r)
         verdict = "reference" if r["type"] == "f16" else ("within gate" if r["within_gate"] else "over gate")
-        lines.append(f"{r['type']:<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  {verdict}")
+        lines.append(f"{shown(r['type']):<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  "
+                     f"{verdict}")
     lines.append("bits: per element of the type's block layout (its scales included), K and V averaged")
     lines += _pick_lines(rec, "type", "no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
     return "\n".join(lines)
@@ -418,29 +425,31 @@ class _Notes:
         return f"({self.texts.index(text) + 1})"
 
     def lines(self) -> list[str]:
-        return [f"({i}) {text}" for i, text in enumerate(self.texts, 1)]
+        """The notes, each through shown: their commands, names and paths come from summary.json."""
+        return [f"({i}) {shown(text, LONG)}" for i, text in enumerate(self.texts, 1)]
 
 
 def format_recommendation(rec: dict) -> str:
     notes, at = _Notes(), rec["places"]
-    model = at.model or f"{MODEL_DIR} {notes.ref(at.model_note)}"
-    width = max([len("recipe")] + [len(r["recipe"]) for r in rec["rows"]]) + 2
-    lines = [f"vLLM KV-cache formats evaluated in this run on {rec.get('windows')} windows x {rec.get('seq_len')} "
-             f"tokens (platform {rec['platform']}; gate: ppl ratio <= {rec['max_ppl_ratio']}; model: {model}):",
+    model = shown(at.model, PATH_MAX) if at.model else f"{MODEL_DIR} {notes.ref(at.model_note)}"
+    width = max([len("recipe")] + [len(shown(r["recipe"])) for r in rec["rows"]]) + 2
+    lines = [f"vLLM KV-cache formats evaluated in this run on {shown(rec.get('windows'))} windows x "
+             f"{shown(rec.get('seq_len'))} tokens (platform {rec['platform']}; gate: ppl ratio <= "
+             f"{rec['max_ppl_ratio']}; model: {model}):",
              f"{'recipe':<{width}}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
     for r in rec["rows"]:
         verdict = "; ".join(["within gate" if r["within_gate"] else "over gate"]
                             + [f"{tag} {notes.ref(text)}" for tag, text in r["remarks"]])
-        lines.append(f"{r['recipe']:<{width}}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  "
-                     f"{_ci(r):<18} {verdict}")
+        lines.append(f"{shown(r['recipe']):<{width}}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}"
+                     f"{r['ppl_ratio']:11.4f}  {_ci(r):<18} {verdict}")
     lines += _pick_lines(rec, "recipe", "no vLLM format is within the gate on this platform: serve kv_cache_dtype=auto")
     for r in rec["later"]:
-        lines.append(f"cheaper within the gate after another run: {r['recipe']} ({r['avg_bits']:.2f} bits) "
+        lines.append(f"cheaper within the gate after another run: {shown(r['recipe'])} ({r['avg_bits']:.2f} bits) "
                      f"{notes.ref(dict(r['remarks'])[RERUN])}")
     if rec["python"]:
         r = rec["python"]
         lines.append(f"cheaper within the gate in Python (no vLLM path on this platform): this run's artifact "
-                     f"{r['recipe']} ({r['avg_bits']:.2f} bits) {notes.ref(dict(r['remarks'])[OWN])}")
+                     f"{shown(r['recipe'])} ({r['avg_bits']:.2f} bits) {notes.ref(dict(r['remarks'])[OWN])}")
     from stages.evaluate import BITS_NOTE  # the one explanation of the bits column (imported here: --help stays light)
 
     return "\n".join(lines + [BITS_NOTE] + notes.lines())
@@ -455,13 +464,137 @@ def _option(args: list[str], i: int, name: str) -> tuple[str, int]:
     return args[i + 1], i + 2
 
 
+def _read_inside(run_dir: Path, rel: str, limit: int, why: str) -> bytes | None:
+    """A file of the run folder (None: absent), read as untrusted input: a regular file inside the folder (no
+    symbolic link, FIFO or device on the way), bounded by `limit` and not sparse (exporters.artifact.read_inside)."""
+    import os
+
+    from exporters.artifact import open_folder, read_inside
+
+    where = shown(run_dir, PATH_MAX)
+    dir_fd = open_folder(run_dir, where)
+    if dir_fd is None:
+        return None
+    try:
+        return read_inside(dir_fd, rel, limit, where, why)
+    finally:
+        os.close(dir_fd)
+
+
 def _run_overrides(run_dir: Path) -> list[str]:
-    """The run's Hydra overrides (.hydra/overrides.yaml), [] when the folder has none."""
-    path = run_dir / ".hydra" / "overrides.yaml"
-    if not path.is_file():
+    """The run's Hydra overrides (.hydra/overrides.yaml: a YAML list of strings), [] when the folder has none;
+    anything else is refused naming the file."""
+    raw = _read_inside(run_dir, ".hydra/overrides.yaml", MAX_OVERRIDES_BYTES, "one line per override")
+    if raw is None:
         return []
     import yaml
-    return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+
+    where = f"{shown(run_dir, PATH_MAX)}/.hydra/overrides.yaml"
+    try:
+        overrides = yaml.safe_load(raw.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:
+        raise UserError(f"{where}: not valid UTF-8 YAML ({type(exc).__name__}: {shown(exc)})") from None
+    if overrides is None:
+        return []
+    if not isinstance(overrides, list) or not all(isinstance(o, (str, int, float, bool)) for o in overrides):
+        raise UserError(f"{where}: allowed a list of overrides (key=value strings, as Hydra writes it), got "
+                        f"{type(overrides).__name__} {shown(repr(overrides), 80)}")
+    return [str(o) for o in overrides]
+
+
+def _number(value) -> bool:
+    """A JSON number recommend formats and compares: a float (NaN and infinities too) or an int a float holds."""
+    return isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                        and abs(value) < 2 ** 1023)
+
+
+def _is(kind: type):
+    return lambda value: isinstance(value, kind)
+
+
+def _member(obj: dict, key: str, where: str, allowed: str, ok, required: bool = False):
+    """obj[key] when it is what recommend reads it as (`ok`); absent or null allowed unless `required`. where: the
+    file and the field path up to obj ("RUN_DIR/summary.json field evaluation/recipes/fp16/")."""
+    value = obj.get(key)
+    if value is None and not required:
+        return None
+    if not ok(value):
+        raise UserError(f"{where}{key}: allowed {allowed}{'' if required else ' or null'}, got "
+                        f"{type(value).__name__} {shown(repr(value), 80)}")
+    return value
+
+
+def _figures(row, where: str) -> dict:
+    """One evaluated recipe's (or llama.cpp type's) figures (where: up to the row, ending in '/'): avg_bits and
+    ppl_ratio numbers, ppl_ratio_ci95 [lo, hi] or absent."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where[:-1]}: allowed an object of figures (avg_bits, ppl_ratio, ...), got "
+                        f"{type(row).__name__} {shown(repr(row), 80)}")
+    for key in ("avg_bits", "ppl_ratio"):
+        _member(row, key, where, "a number", _number, required=True)
+    _member(row, "ppl_ratio_ci95", where, "a list of two numbers [lo, hi]",
+            lambda v: isinstance(v, list) and len(v) == 2 and all(map(_number, v)))
+    return row
+
+
+def check_summary(summary: dict, where: str) -> None:
+    """Every field of summary.json that recommend reads is of the type it reads it as (pipeline/app.py writes them
+    so), else UserError naming the file (`where`), the field, what is allowed and what was given: a run folder may
+    come from elsewhere (a stranger's, a hand edit), and a field of another type would fail deep inside as a
+    TypeError (EXIT_INTERNAL, "a bug"). Members recommend does not read are not looked at; its depth is bounded
+    before (exporters.artifact.parse_json_object)."""
+    obj, at = _is(dict), f"{where} field "
+    for key in ("recipe", "artifact_dir", "vllm_checkpoint_dir"):
+        _member(summary, key, at, "a string", _is(str))
+    model = _member(summary, "model", at, "an object", obj) or {}
+    _member(model, "name", f"{at}model/", "a string", _is(str))
+    source = _member(model, "source", f"{at}model/", "an object", obj)
+    if source is not None:
+        for key in ("kind", "path"):
+            _member(source, key, f"{at}model/source/", "a string", _is(str), required=True)
+        for key in ("revision", "config"):
+            _member(source, key, f"{at}model/source/", "a string", _is(str))
+        settings = _member(source, "settings", f"{at}model/source/", "an object", obj) or {}
+        _member(settings, "gguf_file", f"{at}model/source/settings/", "a string", _is(str))
+    drift = _member(summary, "drift", at, "an object", obj) or {}
+    gate = _member(drift, "gate", f"{at}drift/", "an object", obj) or {}
+    thresholds = _member(gate, "thresholds", f"{at}drift/gate/", "an object", obj) or {}
+    _member(thresholds, "max_ppl_ratio", f"{at}drift/gate/thresholds/", "a number", _number)
+    for key in ("evaluation", "evaluation_long"):
+        evaluation = _member(summary, key, at, "an object", obj) or {}
+        recipes = _member(evaluation, "recipes", f"{at}{key}/", "an object {recipe: figures}", obj) or {}
+        for name, row in recipes.items():
+            _figures(row, f"{at}{key}/recipes/{shown(name)}/")
+    mixed = _member(summary, "mixed", at, "an object", obj) or {}
+    policy = _member(mixed, "layer_policy", f"{at}mixed/", "an object", obj) or {}
+    _member(policy, "options", f"{at}mixed/layer_policy/", "a list of recipe names",
+            lambda v: isinstance(v, list) and all(isinstance(o, str) for o in v))
+    llama = _member(summary, "evaluation_llamacpp", at, "an object", obj)
+    if llama:
+        types = _member(llama, "types", f"{at}evaluation_llamacpp/", "an object {type: figures}", obj, required=True)
+        for name, row in types.items():
+            row = _figures(row, f"{at}evaluation_llamacpp/types/{shown(name)}/")
+            for key in ("type_k", "type_v"):
+                _member(row, key, f"{at}evaluation_llamacpp/types/{shown(name)}/", "a string", _is(str),
+                        required=True)
+            _member(row, "top1", f"{at}evaluation_llamacpp/types/{shown(name)}/", "a number", _number, required=True)
+        for key in ("gguf_path", "gguf"):
+            _member(llama, key, f"{at}evaluation_llamacpp/", "a string", _is(str))
+
+
+def read_summary(run_dir: Path, given: str) -> dict:
+    """RUN_DIR/summary.json as recommend reads it: a regular file inside the folder, bounded, UTF-8 JSON holding an
+    object nested at most MAX_DEPTH deep (exporters.artifact), whose fields recommend reads are of their types
+    (check_summary); each refusal a UserError naming the file and the field. given: RUN_DIR as the user wrote it."""
+    from exporters.artifact import MAX_JSON_BYTES, parse_json_object
+
+    raw = _read_inside(run_dir, SUMMARY_FILE, MAX_JSON_BYTES, "a run's summary is far smaller")
+    if raw is None:
+        raise UserError(f"{shown(repr(given))} has no {SUMMARY_FILE}: point at a run directory (outputs/<date>/<time>)")
+    where = f"{shown(run_dir, PATH_MAX)}/{SUMMARY_FILE}"
+    summary = parse_json_object(raw, where, UserError)
+    check_summary(summary, where)
+    return summary
 
 
 def recommend_main(args: list[str], prog: str = "python -m pipeline") -> str:
@@ -485,11 +618,8 @@ def recommend_main(args: list[str], prog: str = "python -m pipeline") -> str:
         limit = None if limit is None else float(limit)
     except ValueError:
         raise UserError(f"--max-ppl-ratio must be a number (a perplexity ratio such as 1.05), got {limit!r}") from None
-    run_dir = Path(rest[0])
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        raise UserError(f"{rest[0]!r} has no summary.json: point at a run directory (outputs/<date>/<time>)")
-    summary = json.loads(path.read_text())
+    run_dir = path_argument(rest[0], "RUN_DIR")
+    summary = read_summary(run_dir, rest[0])
     if opts["--engine"] == "llama.cpp":
         return format_llamacpp(recommend_llamacpp(summary, limit))
     return format_recommendation(recommend(summary, opts["--platform"], limit, _run_overrides(run_dir), model))

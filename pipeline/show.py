@@ -2,8 +2,9 @@
 
 Whatever the schema lets a manifest hold is printed, never a crash: every field the schema leaves optional may be
 absent, numbers may be huge (an integer beyond a float), null, NaN or infinite, and text (names, descriptions,
-stage names) may hold control characters, terminal escapes, unpaired surrogates or megabytes; text is printed with
-its unprintable characters escaped and cut to MAX_TEXT characters (_text), numbers through _num.
+stage names) may hold control characters, terminal escapes, unpaired surrogates or megabytes; every string of the
+manifest is printed through pipeline.errors.shown (its unprintable characters escaped, cut to MAX_SHOWN_CHARS
+characters; paths to PATH_MAX), numbers through _num.
 """
 from __future__ import annotations
 
@@ -11,16 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 from exporters.native import load_artifact
-
-MAX_TEXT = 200   # characters of one text field shown; the rest is counted, not printed
-
-
-def _text(value, limit: int = MAX_TEXT) -> str:
-    """A manifest's text for the terminal: every unprintable character (control, escape, line separator, unpaired
-    surrogate) as its Python escape, cut to `limit` characters with the rest counted."""
-    text = value if isinstance(value, str) else str(value)
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+from pipeline.errors import PATH_MAX, shown
 
 
 def _num(value, spec: str) -> str:
@@ -31,7 +23,7 @@ def _num(value, spec: str) -> str:
     try:
         return format(value, spec)
     except (OverflowError, ValueError, TypeError):
-        return _text(value, 40)
+        return shown(value, 40)
 
 
 def _ratio(a, b) -> float | None:
@@ -43,6 +35,7 @@ def _ratio(a, b) -> float | None:
 
 
 def _describe(p: dict) -> str:
+    """A layer's key or value policy in one line (printed through shown: every member is the manifest's)."""
     out = f"{p['format']}"
     if p["format"] in ("uniform", "nuq"):
         out += f"{p['bits']} per-{p['axis']}"
@@ -63,9 +56,9 @@ def _source(source: dict | None) -> list[str]:
     """Where the artifact's model was loaded from (manifest model.source; none in artifacts made before it)."""
     if not source:
         return []
-    revision = f", revision {_text(source['revision'])}" if source.get("revision") else ""
-    path = f" {_text(source['path'])}" if source.get("path") else ""
-    return [f"source     {_text(source['kind'])}{path}{revision} (config {_text(source['config'])})"]
+    revision = f", revision {shown(source['revision'])}" if source.get("revision") else ""
+    path = f" {shown(source['path'], PATH_MAX)}" if source.get("path") else ""
+    return [f"source     {shown(source['kind'])}{path}{revision} (config {shown(source['config'])})"]
 
 
 def _evaluation(m: dict) -> list[str]:
@@ -74,25 +67,28 @@ def _evaluation(m: dict) -> list[str]:
     if not ev:
         return []
     ratio = _ratio(ev.get("ppl"), m["evaluation"].get("fp16", {}).get("ppl"))
-    shown = f" ({_num(ratio, '.4f')} x fp16)" if ratio is not None else ""
-    return [f"evaluation ppl {_num(ev.get('ppl'), '.3f')}{shown}, KL {_num(ev.get('kl'), '.4f')}, top-1 "
+    vs_fp16 = f" ({_num(ratio, '.4f')} x fp16)" if ratio is not None else ""
+    return [f"evaluation ppl {_num(ev.get('ppl'), '.3f')}{vs_fp16}, KL {_num(ev.get('kl'), '.4f')}, top-1 "
             f"{_num(ev.get('top1'), '.4f')}, avg bits {_num(ev.get('avg_bits'), '.3f')}"]
 
 
 def _check(check: dict | None) -> str:
-    """The runtime check: its status, worst error (null when no case ran), tolerance and error; the quality canary
-    on a line of its own when the record has one."""
+    """The runtime check the artifact records: its status, worst error (null when no case ran), tolerance and error;
+    the quality canary on a line of its own when the record has one. Printed as what it is -- the artifact's claim,
+    which whoever wrote the file can rewrite and re-sign -- with the command that measures it."""
     if check is None:
-        return "check      not run"
+        return "check      not run (claimed by the artifact; `kvcalib check ARTIFACT` measures it)"
     tol = check["tolerance"]
-    line = (f"check      {check['status']} (max abs err {_num(check.get('max_abs_err'), '.2e')}, tolerance atol "
-            f"{_num(tol.get('atol'), 'g')} rtol {_num(tol.get('rtol'), 'g')})")
-    line += f": {_text(check['error'])}" if check.get("error") else ""
+    line = (f"check      {shown(check['status'])} (max abs err {_num(check.get('max_abs_err'), '.2e')}, tolerance "
+            f"atol {_num(tol.get('atol'), 'g')} rtol {_num(tol.get('rtol'), 'g')})")
+    line += f": {shown(check['error'])}" if check.get("error") else ""
+    line += "\n           claimed by the artifact, not a result: `kvcalib check ARTIFACT` measures it"
     canary = check.get("canary")
     if canary:  # the quality canary (runtime_check/canary.py; docs/manifest.md)
-        line += (f"\ncanary     {'ok' if canary['ok'] else 'FAILED'}: KL {_num(canary.get('kl'), '.3g')} nats over "
-                 f"{canary['tokens']} tokens, top-1 agreement {_num(canary.get('agreement'), '.3f')}; calibration-free "
-                 f"baseline KL {_num(canary.get('baseline_kl'), '.3g')}, limit {_num(canary.get('limit'), '.3g')}")
+        line += (f"\ncanary     claimed {'ok' if canary['ok'] else 'FAILED'}: KL {_num(canary.get('kl'), '.3g')} nats over "
+                 f"{shown(canary['tokens'])} tokens, top-1 agreement {_num(canary.get('agreement'), '.3f')}; "
+                 f"calibration-free baseline KL {_num(canary.get('baseline_kl'), '.3g')}, limit "
+                 f"{_num(canary.get('limit'), '.3g')} (re-measured by `kvcalib check`)")
     return line
 
 
@@ -100,26 +96,28 @@ def show_artifact(directory: str | Path) -> str:
     a = load_artifact(directory)
     m = a.manifest
     model, cache, creator = m["model"], m["cache"], m["creator"]
-    lines = [f"artifact   {_text(Path(directory).resolve(), 4096)}",
-             f"format     {m['format']} v{m['format_version']}  created {_text(m['created'])} by "
-             f"{_text(creator['package'])} {_text(creator['version'])} (git {_text(creator['git_sha'][:12])})",
-             f"model      {_text(model['name'])} {_text(model['architecture'])}: {model['n_layers']} layers, "
+    lines = [f"artifact   {shown(Path(directory).resolve(), PATH_MAX)}",
+             f"format     {shown(m['format'])} v{m['format_version']}  created {shown(m['created'])} by "
+             f"{shown(creator['package'])} {shown(creator['version'])} (git {shown(creator['git_sha'][:12])})",
+             f"model      {shown(model['name'])} {shown(model['architecture'])}: {model['n_layers']} layers, "
              f"{model['n_q_heads']} q heads, {model['n_kv_heads']} kv heads, head_dim {model['head_dim']}, RoPE theta "
-             f"{_num(model['rope']['theta'], 'g')} ({model['rope']['pairing']}) sha256 {model['sha256'][:16]}",
+             f"{_num(model['rope']['theta'], 'g')} ({shown(model['rope']['pairing'])}) sha256 "
+             f"{shown(model['sha256'][:16])}",
              *_source(model.get("source")),
-             f"tokenizer  sha256 {m['tokenizer']['sha256'][:16]}",
-             f"recipe     {_text(m['recipe'])}: keys {cache['key_rope']}-RoPE, sink rows {cache['n_sink']}, residual "
-             f"{cache['residual']}, smoothing {'yes' if cache['smoothing'] else 'no'}, prefix "
+             f"tokenizer  sha256 {shown(m['tokenizer']['sha256'][:16])}",
+             f"recipe     {shown(m['recipe'])}: keys {shown(cache['key_rope'])}-RoPE, sink rows {cache['n_sink']}, "
+             f"residual {cache['residual']}, smoothing {'yes' if cache['smoothing'] else 'no'}, prefix "
              f"{len(cache['prefix']['token_ids']) if cache['prefix'] else 0} tokens"]
     per_layer = Counter((_describe(layer["key"]), _describe(layer["value"])) for layer in m["layers"])
     for (k, v), n in per_layer.items():
-        lines.append(f"layers     {n:>3} x  K {k:<28} V {v}")
+        lines.append(f"layers     {n:>3} x  K {shown(k):<28} V {shown(v)}")
     lines += _evaluation(m)
     lines.append(_check(m["runtime_check"]))
     data = m["calibration"].get("data", {})
-    lines.append(f"data       {_text(data.get('description'))}: {data.get('n_samples')} x {data.get('seq_len')} "
-                 f"tokens, seed {_text(data.get('seed'), 40)}, windows sha256 {str(data.get('calib_sha256'))[:16]}")
+    lines.append(f"data       {shown(data.get('description'))}: {shown(data.get('n_samples'), 40)} x "
+                 f"{shown(data.get('seq_len'), 40)} tokens, seed {shown(data.get('seed'), 40)}, windows sha256 "
+                 f"{shown(str(data.get('calib_sha256'))[:16])}")
     for name, st in m["calibration"].get("stages", {}).items():
-        lines.append(f"stage      {_text(name):<28} cache key {_text(st['cache_key'][:12])}  config sha256 "
-                     f"{_text(st['config_sha256'][:12])}")
+        lines.append(f"stage      {shown(name):<28} cache key {shown(st['cache_key'][:12])}  config sha256 "
+                     f"{shown(st['config_sha256'][:12])}")
     return "\n".join(lines)

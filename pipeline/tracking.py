@@ -57,7 +57,7 @@ import pipeline
 from pipeline import faults
 from pipeline.config import DataConfig, RunConfig, TrackingConfig
 from pipeline.data import text_file
-from pipeline.errors import UserError
+from pipeline.errors import UserError, shown
 from exporters.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 from pipeline.locks import HOST, HOST_ID, pid_alive
 
@@ -73,6 +73,7 @@ _FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their n
 _CHECKPOINT_KEY = "vllm_checkpoint_dir"
 TABLE_FILE = "evaluation/table.json"  # the evaluation table, logged with MlflowClient.log_table
 REPORT_DIR = "report"  # report.md and the PNG / CSV files beside it in the run folder (its links stay valid)
+SHOWN_LINE_CHARS = 10_000   # one line of `show RUN_ID` printed whole up to here (a tag is cut at _MAX_TAG_CHARS)
 _REPORT_SUFFIXES = (".md", ".png", ".csv")
 ARTIFACTS_FOLDER = "mlartifacts"  # a sqlite store's artifacts, beside its database file
 RECIPES_TAG = "recipes"  # every evaluated recipe's exact name, each between commas: ",fp16,kivi-2,"
@@ -755,8 +756,10 @@ def show_run(run_id: str, tracking_uri: str) -> str:
     experiment = client.get_experiment(run.info.experiment_id).name
     p, t, m = run.data.params, run.data.tags, run.data.metrics
     report = sorted(f.path for f in client.list_artifacts(run_id, REPORT_DIR) if not f.is_dir)
-    return "\n".join([*_show_header(run.info, t, experiment, tracking_uri), *_show_inputs(p, t),
-                      *_show_results(p, t, m, report)])
+    lines = [*_show_header(run.info, t, experiment, tracking_uri), *_show_inputs(p, t), *_show_results(p, t, m, report)]
+    # each line through pipeline.errors.shown: the store's params and tags hold names and paths from configs and
+    # artifacts, whose control characters and terminal escapes are printed escaped (a line holds no newline of ours)
+    return "\n".join(shown(line, SHOWN_LINE_CHARS) for line in lines)
 
 
 def _field(label: str, value: Any) -> str:

@@ -13,7 +13,8 @@ inverts RoPE at the stored positions with the model's own rotary module before e
 decoding, in exporters/rope.py's convention whatever the model's dtype: float32 tables, float32 copies of the keys
 (the fp16 rows as received), the codec encoding the float32 result; decoded keys are float32 until `materialize`
 rounds the whole history once to the model's dtype for its own attention (the block-wise reader keeps float32).
-SmoothAttention: the cache stores K / lambda and multiplies back.
+SmoothAttention: the cache stores K / lambda and multiplies back; each layer holds its lambda on its own device,
+made once (ArtifactLayer.smooth), and hands that tensor to the kernels at every step (from_layer).
 Rotated values (value rotation "hadamard", clip "mse": exporters.codec.export_refusal): the encoded value rows hold
 the codec's bytes of the rotated, clipped row (the codec encodes them: the CPU kernel's encoder takes neither);
 sink, residual and prefix rows stay un-rotated fp16; `materialize` decodes (un-rotates) row by row, the kernels
@@ -21,7 +22,13 @@ un-rotate their sum (serving/inputs.py). Value rows the codec encodes one token 
 a dozen small torch operations per layer; per-token rows are encoded independently (a row's bytes do not depend on
 the rows beside it), so when the codec runs, it encodes with the flushed rows those the residual buffer holds after
 them and keeps their bytes for the flushes to come (`_values_by_codec`): the same bytes, one codec call per
-residual window of steps.
+residual window of steps. The codec encodes a page's room at a time (a long prefill page by page), the rows kept
+ahead are a copy of their own (counted in reserved_bytes, never a view holding a prefill's codec output alive) and
+they follow their sequences through a batch edit (beam search does not encode the window again at every step).
+Sparse outliers under static per-channel bounds are bounded per layer: at most (1 + OUTLIER_MARGIN) x the count the
+declared fraction expects are held, the excess left clamped to its bound and counted (stats["outliers_clamped"]),
+so a degenerate artifact (lower == upper) cannot grow the cache past its ledger by more than that factor on its
+outliers; honest text never reaches it (the measurement is OUTLIER_MARGIN's).
 
 Which rows are sink, encoded or residual at every step, when the residual buffer flushes (whole units of K's and
 V's groups) and what a sliding-window layer keeps are exporters/served_rows.py's (LayerRows), the definition the
@@ -33,8 +40,9 @@ stranger never reaches the kernels with tensors shorter than what they read.
 
 Beyond `update`, the cache does what transformers' generation asks of it: `reset` (empty, reusable),
 `reorder_cache` / `batch_select_indices` / `batch_repeat_interleave` (beam search: every stored row, encoded or
-fp16, follows its sequence), `crop(0)`. What it cannot do faithfully it refuses by name (NotImplementedError):
-`crop` of any tokens (flushed rows cannot return to the residual window) and `offload` / `prefetch`.
+fp16, and the value rows encoded ahead follow their sequence), `crop(0)`. What it cannot do faithfully it refuses
+by name (NotImplementedError): `crop` of any tokens (flushed rows cannot return to the residual window) and
+`offload` / `prefetch`.
 
 Two ways to serve it (`ArtifactCache(..., attention=...)`):
 - "materialize" (the default for a cache built directly): `update` returns every cached row decoded
@@ -48,6 +56,7 @@ Two ways to serve it (`ArtifactCache(..., attention=...)`):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -55,7 +64,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from exporters.codec import CachePolicy, check_exportable, decode, encode, static_bits
 from exporters.layout import (PAGE, PagedBlock, PagedRows, StoredBlock, calibrated_shape, check_row_entries, load,
-                              slice_rows, store, take_batch)
+                              select_batch, slice_rows, store, take_batch)
 from exporters.rope import apply_rope, invert_rope, rotary_tables
 from exporters.served_rows import layer_rows, scale_group
 from serving import cpu_attention
@@ -66,6 +75,23 @@ ATTENTION_MODES = ("blockwise", "materialize")
 HELD_KINDS = ("codes", "scales_zero_points", "outliers", "sink", "residual", "static")  # accounting(): sum = nbytes
 PREFILL_MODES = ("full", "stored")   # what a chunk of T_q > 1 new tokens reads for its own rows (blockwise)
 BLOCK = 2048                         # positions per block of the block-wise attention
+# Sparse outliers under static per-channel bounds (axis channel: entries outside [lower, upper]) admit any count per
+# row, so what a layer's K or V holds of them is bounded: at most (1 + OUTLIER_MARGIN) x the count the declared
+# fraction expects (policy.outlier_fraction x H x D x B x rows held, counted over at least OUTLIER_FLOOR_ROWS rows);
+# beyond it the entries farthest outside their bounds are kept and the rest left clamped to the nearest bound --
+# what the codes already encode there (the codec clamps an entry before coding it) -- and counted
+# (stats["outliers_clamped"]). Measured on honest text (SmolLM2-135M, the long-3.5b artifact's bounds: its 22 layers
+# with 1% key outliers; wikitext-2 valid.txt and test.txt, 4 windows of 2,048 tokens each; every key row encoded
+# one at a time from the first after the 16 sink rows, the worst order): held / expected peaks at 2.22 (2.21 on
+# test.txt) over >= 128 rows; layers average 1.20-1.75. Gemma 3 270M stores more than its recipes declare (the
+# kvquant-3b-1pct+smooth+prefix artifact: 1% declared, 2.38% measured over its evaluation text): on 2 x 2048 tokens of
+# test.txt its layers peak at 5.67x the declared count. 1 + 9 = 10 leaves 1.76x above that peak, so honest text
+# clamps nothing on either model; a degenerate artifact (lower == upper: every entry an outlier) holds at most 10x
+# the declared outliers -- 10% of the entries at 1%, 4 bytes each beside codes of 0.25-0.5 byte.
+OUTLIER_MARGIN = 9.0
+# the fewest rows the bound counts: a layer's first rows pool too few to bound by their own count (one key row of
+# that artifact held 17x the expected count, its first 32 rows 2.9x); the vLLM plugin's page pools as many
+OUTLIER_FLOOR_ROWS = 128
 # PAGE (encoded rows per page of a layer's stored K or V) and the stored layout are exporters/layout.py's
 
 
@@ -90,11 +116,14 @@ class ArtifactLayer(CacheLayerMixin):
 
     def __init__(self, layer: int, policy: CachePolicy, rope_fn, max_positions: int, rotary=None,
                  attention: str = "materialize", page: int = PAGE, window: int | None = None,
-                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None, stats: dict | None = None):
         """window: a sliding-window (local) layer's window -- it holds the last `window` positions only (see
         drop_before) -- or None for a global layer. prefix: this layer's full-precision prefix rows, post-RoPE
-        K and V [H, P, D], held at positions 0..P-1 before any update (policy.prefix_len = P), or None."""
+        K and V [H, P, D], held at positions 0..P-1 before any update (policy.prefix_len = P), or None. stats: the
+        cache's counters this layer adds to ("outliers_clamped": see OUTLIER_MARGIN), or None: its own."""
         super().__init__()
+        self.stats = {"outliers_clamped": 0} if stats is None else stats
+        self.stats.setdefault("outliers_clamped", 0)
         self.layer, self.policy, self.rope_fn, self.max_positions = layer, policy, rope_fn, max_positions
         self.rotary = rotary                 # the model's rotary module (the block-wise attention's RoPE tables)
         self.attention = attention           # "materialize" | "blockwise" (see the module docstring)
@@ -121,6 +150,9 @@ class ArtifactLayer(CacheLayerMixin):
         # [1, H, P, D] fp16, copied (never a view of what was given); every sequence starts after them
         self.prefix = None if not n_prefix else tuple(x.detach().to(torch.float16)[None].clone() for x in prefix)
         self.dtype = torch.float32
+        # SmoothAttention's lambda [H, D] float32 (None: no smoothing), on the layer's device from the first update
+        # (lazy_initialization): made once, so every step's DecodeInputs carries the same tensor where the pages lie
+        self.smooth = None if policy.smooth is None else policy.smooth[layer].detach().float().contiguous()
         # new rows through the CPU kernel's encoder (serving/cpu_attention.py) where it is built and takes
         # the policy; False: always the codec (a test compares the two)
         self.fast_encode = True
@@ -157,6 +189,8 @@ class ArtifactLayer(CacheLayerMixin):
         # tensors are stored on CPU and moved here once
         self.device, self.dtype = key_states.device, key_states.dtype
         self.pk, self.pv = self.pk.to(self.device), self.pv.to(self.device)
+        if self.smooth is not None:
+            self.smooth = self.smooth.to(self.device)
         if self.prefix is not None:  # the prefix rows, one copy per sequence, as the first sink rows
             b = key_states.shape[0]
             self.sink = tuple(x.to(self.device).expand(b, -1, -1, -1).clone() for x in self.prefix)
@@ -219,16 +253,16 @@ class ArtifactLayer(CacheLayerMixin):
                 + self.k_rows.nbytes + self.v_rows.nbytes)
 
     def reserved_bytes(self) -> int:
-        """Page capacity allocated but holding no row yet, and the bytes of value rows encoded ahead of their
-        flush (_values_by_codec: at most the residual buffer's rows; not part of nbytes)."""
-        ahead = 0 if self._v_ahead is None else self._v_ahead.nbytes
-        return self.k_rows.reserved_bytes() + self.v_rows.reserved_bytes() + ahead
+        """Page capacity allocated but holding no row yet, and the value rows encoded ahead of their flush
+        (_values_by_codec; not part of nbytes) as the storage they keep alive: a copy of their own, made when the
+        codec encoded them, of at most the residual buffer's rows (their slices as flushes take rows from the front
+        keep that copy whole until the last is taken)."""
+        return self.k_rows.reserved_bytes() + self.v_rows.reserved_bytes() + _storage_bytes(self._v_ahead)
 
     # -- the cache ABI ----------------------------------------------------------------------------------------
     def _lambda(self) -> torch.Tensor | None:
-        if self.policy.smooth is None:
-            return None
-        return self.policy.smooth[self.layer].float().to(self.device)[None, :, None, :]
+        """lambda as [1, H, 1, D] (a view of self.smooth: no copy per flush), or None without smoothing."""
+        return None if self.smooth is None else self.smooth[None, :, None, :]
 
     def _encode_rows(self, k: torch.Tensor, v: torch.Tensor, start: int, v_after: torch.Tensor | None = None) -> None:
         """k post-RoPE, v: [B, H, n, D] rows at positions start..start+n-1 -> the stored pages, encoded a page's
@@ -259,25 +293,64 @@ class ArtifactLayer(CacheLayerMixin):
                 kb = store(encode(kp, self.pk, f"layer {self.layer} keys"), self.pk, start + a)
             if vb is None:
                 vb = self._values_by_codec(v, a, b, start, v_after)
-            self.k_rows.write(kb)
-            self.v_rows.write(vb)
+            self.k_rows.write(self._bound_outliers(kb, self.pk, self.k_rows))
+            self.v_rows.write(self._bound_outliers(vb, self.pv, self.v_rows))
             a = b
 
+    def _bound_outliers(self, blk: StoredBlock, p, held: PagedRows) -> StoredBlock:
+        """blk (rows about to follow those `held` stores) with its sparse outliers bounded, for static per-channel
+        bounds (axis channel): the side's outliers held after the write are at most ceil((1 + OUTLIER_MARGIN) x
+        p.outlier_fraction x H x D x B x max(rows held after it, OUTLIER_FLOOR_ROWS)) -- the layer's sequences
+        and pages pool the allowance, as the ledger counts them. Beyond it, the block's outliers farthest outside
+        their channel's [lower, upper] are kept (ties in stored order) and the others dropped from the list: each
+        such entry decodes as its code, the nearest bound's (the codec and the C encoder clamp an entry before
+        coding it). Dropped entries are counted in stats["outliers_clamped"]. Per-token bounds (the values' rule)
+        hold a bounded count per row by construction and pass unchanged; so does every block within the bound
+        (honest text: see OUTLIER_MARGIN), with no tensor touched."""
+        s = blk.tensors
+        if p.axis != "channel" or p.outlier_fraction <= 0 or "outlier_value" not in s:
+            return blk
+        b, h, n, d = blk.shape
+        m = int(s["outlier_value"].numel())
+        cap = math.ceil((1 + OUTLIER_MARGIN) * p.outlier_fraction * h * d * b * max(held.rows + n, OUTLIER_FLOOR_ROWS))
+        allow = max(0, cap - held.n_out)
+        if m <= allow:
+            return blk
+        entry, value = s["outlier_index"].long(), s["outlier_value"].float()
+        lower = p.lower.reshape(-1).to(value.device).float()[entry]
+        upper = p.upper.reshape(-1).to(value.device).float()[entry]
+        beyond = torch.maximum(lower - value, value - upper)            # how far outside its bound (> 0)
+        keep = torch.zeros(m, dtype=torch.bool, device=value.device)
+        keep[torch.sort(beyond, descending=True, stable=True).indices[:allow]] = True
+        counts = s["outlier_count"]                                      # [n, B]: row t * B + b, t-major lists
+        row = torch.repeat_interleave(torch.arange(n * b, device=counts.device), counts.reshape(-1).long())
+        kept = torch.bincount(row[keep.to(row.device)], minlength=n * b).view(n, b).to(counts.dtype)
+        self.stats["outliers_clamped"] += m - allow
+        return StoredBlock(blk.start, blk.shape, {**s, "outlier_count": kept, "outlier_index": s["outlier_index"][keep],
+                                                  "outlier_value": s["outlier_value"][keep]})
+
     def _values_by_codec(self, v: torch.Tensor, a: int, b: int, start: int, v_after: torch.Tensor | None) -> StoredBlock:
-        """The stored bytes of value rows [a, b) of v (positions start + a..) by the codec. Rows of a per-token
-        format are encoded independently, so the rows after them -- the rest of v and v_after, already in the
-        residual buffer -- are encoded in the same call and their bytes kept (`_v_ahead`, a block by position)
-        for the flushes to come; a flush they cover takes its rows from there. The bytes are those of encoding
-        [a, b) alone (tests/serving/test_cache.py); a batch edit or reset drops what was kept."""
+        """The stored bytes of value rows [a, b) of v (positions start + a..) by the codec: one page's room at a
+        time (_encode_rows), so a long prefill is encoded page by page, never whole. Rows of a per-token format are
+        encoded independently, so with the last page's rows of a flush (b == the flush's end) the rows after them,
+        v_after (already in the residual buffer), are encoded in the same call -- at most a page plus the residual
+        buffer's rows per codec call -- and their bytes kept (`_v_ahead`, a block by position) for the flushes to
+        come: a copy of their own (never a view holding the codec's whole output alive), counted in
+        reserved_bytes. A flush they cover takes its rows from there; a batch edit selects them with their
+        sequences (batch_select_indices), a reset drops them. The bytes are those of encoding [a, b) alone
+        (tests/serving/test_cache.py)."""
         p0, n = start + a, b - a
         ahead = self._v_ahead
         if ahead is None or not ahead.start <= p0 <= p0 + n <= ahead.start + ahead.shape[2]:
-            rows = v[:, :, a:]
-            if scale_group(self.pv) == 1 and v_after is not None and v_after.shape[2]:
+            rows = v[:, :, a:b]
+            if scale_group(self.pv) == 1 and b == v.shape[2] and v_after is not None and v_after.shape[2]:
                 rows = torch.cat([rows, v_after], 2)
-            else:
-                rows = rows[:, :, :n]
             ahead = store(encode(rows.float(), self.pv, f"layer {self.layer} values"), self.pv, p0)
+            if ahead.shape[2] > n:  # what is kept for later flushes: copied out of the codec's output
+                self._v_ahead = _copy_block(slice_rows(ahead, n, ahead.shape[2], self.pv))
+            else:
+                self._v_ahead = None
+            return slice_rows(ahead, 0, n, self.pv)
         off = p0 - ahead.start
         rest = ahead.shape[2] - off - n
         self._v_ahead = slice_rows(ahead, off + n, off + n + rest, self.pv) if rest else None
@@ -356,7 +429,9 @@ class ArtifactLayer(CacheLayerMixin):
                                   for pair in (self.sink, self.recent))
         self.k_rows.select(idx)
         self.v_rows.select(idx)
-        self._v_ahead = None
+        # the value rows encoded ahead follow their sequences too (per-token rows: the bytes of the rows selected),
+        # so a beam-search step does not encode the residual window again
+        self._v_ahead = select_batch(self._v_ahead, idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: sequence i continues beam_idx[i] (index_select on the batch, as transformers' layers)."""
@@ -436,6 +511,9 @@ class ArtifactCache(Cache):
         cpu_attention.available()  # the fused CPU kernel loaded (or the reason it is not said) at start-up, not mid-step
         # the block-wise attention's own accounting: its largest float32 working set so far (bytes)
         self.stats = {"largest_decode_temporary_bytes": 0, "largest_prefill_temporary_bytes": 0}
+        # sparse outliers beyond what a layer holds of them, left clamped to their bound (OUTLIER_MARGIN): every
+        # layer adds to this count
+        self.stats["outliers_clamped"] = 0
         for i, (pk, pv) in enumerate(policy.layers):  # evaluation-only formats: no stored layout here
             check_exportable(pk, f"ArtifactCache: layer {i} keys", "key")
             check_exportable(pv, f"ArtifactCache: layer {i} values", "value")
@@ -456,7 +534,8 @@ class ArtifactCache(Cache):
         rows = prefix_rows(policy, model, prefix)
         super().__init__(layers=[ArtifactLayer(i, policy, rope_fn_of(rotaries[i]), max_positions, rotaries[i],
                                                attention, page, window=windows[i],
-                                               prefix=None if rows is None else (rows[0][i], rows[1][i]))
+                                               prefix=None if rows is None else (rows[0][i], rows[1][i]),
+                                               stats=self.stats)
                                  for i in range(len(policy.layers))])
 
     @property
@@ -482,9 +561,10 @@ class ArtifactCache(Cache):
         rows), scales and zero-points, sparse outliers (values, indices, per-row counts), fp16 sink and residual
         rows, the per-layer static tensors. Not part of the sum: reserved_capacity_bytes, the pages' capacity
         allocated but holding nothing (the unused rows of each layer's last K and V page, every page's unused
-        outlier slots: PagedRows), and the block-wise
-        attention's largest working set so far in a decode step and in a prefill chunk
-        (largest_*_temporary_bytes)."""
+        outlier slots: PagedRows) and the value rows encoded ahead of their flush (ArtifactLayer.reserved_bytes),
+        the block-wise attention's largest working set so far in a decode step and in a prefill chunk
+        (largest_*_temporary_bytes), and outliers_clamped: sparse outliers beyond a layer's bound, left clamped
+        to their channel's bound (a count, not bytes; OUTLIER_MARGIN)."""
         out = dict.fromkeys(HELD_KINDS, 0)
         for layer in self.layers:
             for block in (*layer.k_rows.pages(), *layer.v_rows.pages()):
@@ -576,6 +656,19 @@ def prefix_rows(policy: CachePolicy, model: torch.nn.Module, prefix: dict | None
     return k, v
 
 
+def _copy_block(block: StoredBlock) -> StoredBlock:
+    """The block's rows in tensors of their own (contiguous copies): nothing of a larger block stays alive."""
+    return StoredBlock(block.start, block.shape,
+                       {k: t.clone(memory_format=torch.contiguous_format) for k, t in block.tensors.items()})
+
+
+def _storage_bytes(block: StoredBlock | None) -> int:
+    """Bytes of the storages a block's tensors live in, each counted once (0 for None)."""
+    if block is None:
+        return 0
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in block.tensors.values()}.values())
+
+
 def _own(x: torch.Tensor) -> torch.Tensor:
     """x itself when it is the whole of its storage, else a contiguous copy: rows the cache keeps never hold a
     larger tensor alive (the prefill chunk they were cut from)."""
@@ -592,8 +685,10 @@ def check_batch(attention_mask: torch.Tensor | None) -> None:
 
 
 def from_layer(layer: ArtifactLayer, q: torch.Tensor, scaling: float, rotary: torch.nn.Module) -> DecodeInputs:
-    """The inputs for decoding against one ArtifactLayer; q: [B, H_q, D] post-RoPE."""
-    smooth = layer.policy.smooth[layer.layer].float() if layer.policy.smooth is not None else None
+    """The inputs for decoding against one ArtifactLayer; q: [B, H_q, D] post-RoPE. Everything it carries lies on
+    the layer's device, lambda included (the layer's own copy, made once: ArtifactLayer.smooth) -- a lambda left
+    on the host made a GPU kernel copy the whole inputs over (serving.inputs.inputs_to), so every page was laid out
+    again at every step (serving/pages.py keeps a page's layout by the page object)."""
     return DecodeInputs(q=q.float().contiguous(), scaling=float(scaling), key_policy=layer.pk, value_policy=layer.pv,
                         key_rope=layer.policy.key_rope, rotary=rotary, sink=layer.sink, k_block=layer.k_block,
-                        v_block=layer.v_block, recent=layer.recent, smooth=smooth, start=layer.start)
+                        v_block=layer.v_block, recent=layer.recent, smooth=layer.smooth, start=layer.start)

@@ -62,11 +62,18 @@ def _to(x, device):
 
 
 def block_to(block: StoredBlock | PagedBlock | None, device) -> StoredBlock | PagedBlock | None:
-    """The stored rows on `device`, page by page (a PagedBlock stays paged: its pages are never joined)."""
+    """The stored rows on `device`, page by page (a PagedBlock stays paged: its pages are never joined). A page
+    already there is the same object, not a new one of the same tensors: the kernels keep a page's layout by the
+    page object (serving/pages.py laid_out), so a copy of the inputs moving something else (a query, a lambda)
+    never makes every page be laid out again."""
     if block is None:
         return None
     if isinstance(block, PagedBlock):
-        return PagedBlock(tuple(block_to(p, device) for p in block.pages))
+        pages = tuple(block_to(p, device) for p in block.pages)
+        return block if all(a is b for a, b in zip(pages, block.pages)) else PagedBlock(pages)
+    device = torch.device(device)
+    if all(t.device == device for t in block.tensors.values()):
+        return block
     return StoredBlock(block.start, block.shape, {k: v.to(device) for k, v in block.tensors.items()})
 
 

@@ -51,3 +51,44 @@ def test_the_config_gets_the_scheme_and_architectures_and_refuses_a_quantized_so
     with pytest.raises(ct.CheckpointError, match="config.json quantization_config: the source model is already "
                                                   "quantized \\(quant_method 'gptq'\\)"):
         ct.checkpoint_config({"quantization_config": {"quant_method": "gptq"}}, "LlamaForCausalLM")
+
+
+# ---- nothing unrecorded under a recorded subfolder (issue 68, item 5) --------------------------------------------
+
+@pytest.fixture
+def checkpoint(tmp_path, make_artifact, tiny):
+    from pipeline.export import write_vllm_checkpoint
+
+    return write_vllm_checkpoint(tmp_path / "ckpt", make_artifact("fp8-e4m3"), tiny)
+
+
+@pytest.mark.parametrize("make,named", [
+    (lambda ckpt: (ckpt / ct.ARTIFACT_DIR / "extra.safetensors").write_bytes(b"x"), "'kvcalib/extra.safetensors'"),
+    (lambda ckpt: (ckpt / ct.ARTIFACT_DIR / "old").mkdir(), "'kvcalib/old/'"),
+    (lambda ckpt: ((ckpt / ct.ARTIFACT_DIR / "old").mkdir(), (ckpt / ct.ARTIFACT_DIR / "old" / "manifest.json")
+                   .write_text("{}")), "'kvcalib/old/'"),
+    (lambda ckpt: (ckpt / ct.ARTIFACT_DIR / "link.json").symlink_to("/etc/hostname"), "'kvcalib/link.json'"),
+], ids=["file", "empty-folder", "folder-with-a-manifest", "symbolic-link"])
+def test_an_unrecorded_entry_in_a_recorded_subfolder_is_refused_naming_it(checkpoint, make, named):
+    """Before: anything beside the artifact under kvcalib/ was accepted (only the top level was compared with the
+    record), so a second manifest or a stray file there went unverified into the served folder."""
+    ct.verify_checkpoint(checkpoint)
+    make(checkpoint)
+    with pytest.raises(ct.CheckpointError, match=rf"kvcalib/checkpoint.json does not list \[{named}\] under its "
+                                                  rf"recorded folder\(s\) \['kvcalib'\]"):
+        ct.verify_checkpoint(checkpoint)
+
+
+def test_a_recorded_file_in_a_deeper_folder_and_its_folders_are_allowed(checkpoint):
+    """A folder the record's paths run through (a shard in a subfolder) is allowed; a file beside it there is not."""
+    import json
+
+    deeper = checkpoint / "extra" / "deeper"
+    deeper.mkdir(parents=True)
+    (deeper / "notes.txt").write_text("recorded")
+    (checkpoint / ct.ARTIFACT_DIR / ct.RECORD_FILE).write_text(json.dumps(ct.file_record(checkpoint)))
+    ct.verify_checkpoint(checkpoint)
+    (checkpoint / "extra" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(ct.CheckpointError, match=r"does not list \['extra/stray.bin'\] under its recorded "
+                                                  r"folder\(s\) \['extra', 'extra/deeper', 'kvcalib'\]"):
+        ct.verify_checkpoint(checkpoint)

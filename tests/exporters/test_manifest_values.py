@@ -33,10 +33,10 @@ def _set(name, index, value):
     (KVQ, "layers.0.key.lower", 2, 1e6, "lower must be <= upper"),
     (KVQ, "prefix.k", 7, float("nan"), "finite"),
     (KVQ, "prefix.v", 1, 1e6, "within float16"),
-    (KVQ, "smooth", 4, 0.0, "smoothing factors must be > 0"),
-    (FP8, "layers.0.key.fp8_scale", 0, 0.0, r"fp8 scale must be in \(0"),
+    (KVQ, "smooth", 4, 0.0, "smoothing factors must be >= 5.96046e-08"),
+    (FP8, "layers.0.key.fp8_scale", 0, 0.0, r"fp8 scale must be in \[1.33046e-10, 146.214\]"),
     (FP8, "layers.0.value.fp8_scale", 0, float("nan"), "finite"),
-    (FP8, "layers.0.key.fp8_scale", 0, 1000.0, r"fp8 scale must be in \(0"),
+    (FP8, "layers.0.key.fp8_scale", 0, 1000.0, r"fp8 scale must be in \[1.33046e-10"),
     (ROT, "layers.0.value.rotation_signs", 3, 0.5,
      r"rotation_signs entries must be exactly \+1 or -1; 1 of 16 entries, first at \[3\]: 0.5"),
     (ROT, "layers.1.value.rotation_signs", 0, 0.0, r"rotation_signs entries must be exactly \+1 or -1"),
@@ -55,6 +55,63 @@ def test_a_constant_channel_range_of_zero_is_a_valid_artifact(make_artifact, for
     """range 0 is what calibration writes for a channel that never varied (it decodes to its zero-point)."""
     path = forge(make_artifact(KVQ), edit_tensors=_set("layers.0.key.range", 3, 0.0))
     assert float(load_artifact(path).tensors["layers.0.key.range"].view(-1)[3]) == 0.0
+
+
+TINY = "1.401298464324817e-45"   # 1e-45 as float32 stores it: the smallest subnormal
+
+
+@pytest.mark.parametrize("recipe, name, index, value, says", [
+    (FP8, "layers.0.key.fp8_scale", 0, 1e-45, r"fp8 scale must be in \[1.33046e-10, 146.214\] \(fp16's smallest "
+                                              rf"positive 2\^-24 / e4m3 max, fp16 max / e4m3 max\); 1 of 1 entries, "
+                                              rf"first at \[\]: {TINY}"),
+    (FP8, "layers.1.value.fp8_scale", 0, 1e-12, r"fp8 scale must be in \[1.33046e-10, .*: 9.99999996004197\de-13"),
+    (KVQ, "smooth", 4, 1e-45, rf"smoothing factors must be >= 5.96046e-08 \(2\^-24, .*first at \[0, 0, 4\]: "
+                              rf"{TINY}"),
+    (KVQ, "smooth", 9, 1e-30, r"smoothing factors must be >= 5.96046e-08 .*first at \[0, 0, 9\]: 1.00000000317\d*e-30"),
+    (KVQ, "layers.1.key.range", 3, 1e-45, rf"range must be 0 \(a constant channel\) or a normal float32 >= "
+                                          rf"1.17549e-38 \(2\^-126; .*first at \[0, 3\]: {TINY}"),
+])
+def test_a_subnormal_or_meaningless_scale_is_refused_naming_value_and_index(make_artifact, forge, recipe, name,
+                                                                             index, value, says):
+    """Issue 68, item 1: an fp8 scale of 1e-45 (a float32 subnormal) and a subnormal smoothing factor loaded (the
+    second failed at the first flush). Refused at load: subnormal, or below the floor where the value means
+    nothing (an fp8 scale whose largest decoded value is below float16's smallest positive; a lambda below it)."""
+    path = forge(make_artifact(recipe), edit_tensors=_set(name, index, value))
+    with pytest.raises(mf.TensorValueError, match=says) as err:
+        load_artifact(path)
+    assert str(err.value).startswith(f"tensor {name!r}: ")
+
+
+def test_a_tiny_normal_range_is_a_valid_artifact(make_artifact, forge):
+    """A near-constant channel's range may be far below float16's resolution (quantiles interpolated between keys
+    that differ in one bit): only 0 or a normal float32 is asked of it."""
+    path = forge(make_artifact(KVQ), edit_tensors=_set("layers.0.key.range", 3, 2 * mf.F32_NORMAL))
+    assert float(load_artifact(path).tensors["layers.0.key.range"].view(-1)[3]) == 2 * mf.F32_NORMAL
+
+
+def test_equal_outlier_bounds_load_a_constant_channel(make_artifact, forge):
+    """lower == upper is a channel that never varies (Gemma 3 270M: 3 of layer 0's 256 key channels are 0 on every
+    token, bounds 0 and 0): it loads. Equal bounds on a channel that varies cost storage, which the serving cache
+    caps at (1 + OUTLIER_MARGIN) x the declared count (tests/serving/test_cache.py); lower > upper stays refused."""
+    def equal(tensors):
+        lower = tensors["layers.1.key.lower"].clone()
+        lower.view(-1)[5] = tensors["layers.1.key.upper"].view(-1)[5]
+        tensors["layers.1.key.lower"] = lower
+
+    path = forge(make_artifact(KVQ), edit_tensors=equal)
+    t = load_artifact(path).tensors
+    assert float(t["layers.1.key.lower"].view(-1)[5]) == float(t["layers.1.key.upper"].view(-1)[5])
+
+
+def test_honest_calibration_has_ordered_bounds_and_no_meaningless_scales(calib, make_artifact):
+    """What calibration writes (the keys' f/2 and 1 - f/2 quantiles per channel, lambda = sqrt(max|K|), fp8 scales
+    amax / fp8_max) is far from every floor, and the artifacts built from it load."""
+    for which in ("plain", "smooth"):
+        c = calib[which]
+        assert bool((c["upper"] > c["lower"]).all()) and bool((c["range"] >= mf.F32_NORMAL).all())
+    assert bool((calib["smooth"]["smooth"] >= mf.FP16_TINY).all())
+    for recipe in (KVQ, FP8, "kvquant-4b-1pct"):
+        load_artifact(make_artifact(recipe))
 
 
 def _resign(path, edit):

@@ -92,7 +92,10 @@ def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_a
     loader (EXIT_USER)."""
     path = make_artifact("kvquant-4b-1pct")
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-    out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]"], tmp_path)
+    # a tiny (random) model is judged on only when the user names it; this artifact was exported without a check,
+    # so it claims no canary: judged on the limits alone only when allowed
+    tiny_args = ["model.source=tiny", "allow_unclaimed=true"]
+    out = _cli([str(path), "contexts=[40,170]", "check.batches=[2]", *tiny_args], tmp_path)
     assert out.returncode == EXIT_OK, out.stderr[-2000:]
     assert "runtime check passed" in out.stdout and "context    170 batch 2" in out.stdout
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # checking never modifies the artifact
@@ -101,7 +104,7 @@ def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_a
     assert written["contexts"] == [40, 170] and written["batches"] == [2] and written["status"] == "passed"
     elsewhere = tmp_path / "records" / "check.json"
     elsewhere.parent.mkdir()
-    out = _cli([str(path), "contexts=[40]", "batches=[1]", "--out", str(elsewhere)], tmp_path)
+    out = _cli([str(path), "contexts=[40]", "batches=[1]", *tiny_args, "--out", str(elsewhere)], tmp_path)
     assert out.returncode == EXIT_OK and json.loads(elsewhere.read_text())["contexts"] == [40]
     with pytest.raises(UserError, match=r"each context must be in \[1, 4095\]"):
         run_check(path, tiny, CheckConfig(contexts=[4096]), log=quiet)
@@ -110,7 +113,7 @@ def test_cli_check_passes_and_refuses_a_tampered_codebook(tmp_path, tiny, make_a
         tensors["layers.0.key.codebook"] = tensors["layers.0.key.codebook"].flip(0).contiguous()
 
     forge(path, edit_tensors=permute)
-    out = _cli([str(path), "contexts=[32]", "batches=[1]"], tmp_path)
+    out = _cli([str(path), "contexts=[32]", "batches=[1]", *tiny_args], tmp_path)
     assert out.returncode == EXIT_USER and "codebook must be finite and strictly increasing" in out.stderr
 
 
@@ -121,7 +124,8 @@ def test_check_main_exits_check_failed_when_the_kernel_disagrees(make_artifact, 
     path = make_artifact("int4-token")
     real = triton_attention.decode_attention
     monkeypatch.setattr(triton_attention, "decode_attention", lambda inp, **kw: real(inp, **kw) * 1.01)
-    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
+    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]", "model.source=tiny",
+                 "allow_unclaimed=true"]) == EXIT_CHECK_FAILED
     assert "runtime check FAILED" in capsys.readouterr().out
     assert json.loads(result_path(path).read_text())["status"] == "failed"
     assert manifest_of(path)["runtime_check"] is None  # the artifact as exported
@@ -222,7 +226,8 @@ def test_a_non_finite_output_is_a_failed_check_written_as_json(tiny, make_artifa
 
     monkeypatch.setattr(module, "decode_attention", poisoned)
     path = make_artifact("int4-token")
-    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]"]) == EXIT_CHECK_FAILED
+    assert main([str(path), "contexts=[16]", "gpu_contexts=[16]", "batches=[1]", "model.source=tiny",
+                 "allow_unclaimed=true"]) == EXIT_CHECK_FAILED
     recorded = _strict_json(result_path(path).read_text())
     n = tiny.spec.n_q_heads * tiny.spec.head_dim
     assert recorded["error"] == (f"context 16, batch 1, triton kernel: layer 0: the {where}'s output holds 1 "
@@ -249,3 +254,77 @@ def test_the_kernel_runs_on_each_layers_device(monkeypatch):
     triton_kernel(native=True)(SimpleNamespace(q=torch.zeros(1, 2, 4)))
     triton_kernel(native=False)(SimpleNamespace(q=torch.zeros(1, 2, 4)))
     assert seen == [torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda"), torch.device("cpu")]
+
+
+def test_a_random_model_the_artifact_names_is_not_followed_unasked(make_artifact, capsys):
+    """An artifact's model.source is a suggestion: a random model built from its settings (a stranger's artifact could
+    name a random twin of any shape and tokenizer) is refused before anything loads, naming what to pass."""
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+    assert main([str(path), "contexts=[16]", "batches=[1]"]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "which check does not follow unasked" in err and "model.path=FOLDER" in err
+
+
+def test_an_unbounded_random_model_is_refused_before_it_is_allocated(make_artifact, capsys):
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+    assert main([str(path), "model.source=tiny", "model.tiny.n_layers=1024", "model.tiny.hidden_size=65536",
+                 "model.tiny.intermediate_size=262144", "contexts=[16]", "batches=[1]"]) == EXIT_USER
+    assert re.search(r"model\.tiny: a random model of 1024 layers, .* takes \d+\.\d GiB; allowed at most 0\.5 of",
+                     capsys.readouterr().err)
+
+
+def test_another_models_weights_are_refused_by_name_unless_a_transfer_is_allowed(make_artifact, capsys):
+    """The model loaded is compared with the artifact's record of its weights: another seed of the same shapes is
+    another model, refused (exit 2) naming both sha256; allow_other_model=true judges it and says so."""
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+    other = ["model.source=tiny", "model.tiny.seed=1", "contexts=[16]", "batches=[1]"]
+    assert main([str(path), *other]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "model/sha256: the artifact was calibrated for tiny with weights sha256" in err
+    assert "allow_other_model=true" in err
+    assert main([str(path), *other, "allow_other_model=true", "allow_unclaimed=true"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "ANOTHER model than calibrated (allow_other_model=true)" in out and "verdict reached on tiny (tiny)" in out
+    record = json.loads(result_path(path).read_text())
+    assert record["judged_on"]["other_model"] is True and record["status"] == "passed"
+
+
+def test_a_canary_that_cannot_run_fails_the_check(tiny, make_artifact, monkeypatch):
+    """No field of an artifact switches the canary off: one that does not fit the model is a failed check."""
+    from runtime_check import canary
+
+    path = make_artifact("int4-token")
+    monkeypatch.setattr(canary, "lengths", lambda *a, **k: None)
+    result = run_check(path, tiny, CheckConfig(contexts=[16], batches=[1]), write=False, log=quiet)
+    assert result["status"] == "failed" and result["error"].startswith("the quality canary cannot run")
+
+
+def test_strings_of_the_artifact_reach_the_terminal_escaped(make_artifact, forge, capsys):
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+
+    def rename(m):
+        m["model"]["name"] = "evil\x1b[2J\nname"
+
+    forge(path, edit=rename, rebind=True)
+    main([str(path), "model.source=tiny", "allow_unclaimed=true", "contexts=[16]", "batches=[1]"])
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.out + captured.err and "evil\\x1b[2J\\nname" in captured.out
+
+
+def test_random_shapes_transformers_refuses_are_the_inputs_refusal(make_artifact, capsys):
+    """A hidden size the heads do not divide: transformers' own validation error is an exit 2 naming model.tiny, not
+    an internal error (issue 68: the artifact's random model of SmolLM2's 9 heads and 65536 hidden exited 5)."""
+    from pipeline.check import main
+
+    path = make_artifact("int4-token")
+    assert main([str(path), "model.source=tiny", "model.tiny.n_q_heads=9", "model.tiny.n_kv_heads=3",
+                 "model.tiny.hidden_size=100", "contexts=[16]", "batches=[1]"]) == EXIT_USER
+    assert "model.tiny: transformers refuses these shapes" in capsys.readouterr().err

@@ -283,9 +283,93 @@ def test_the_kvcalib_console_script_runs_the_same_commands(tmp_path, make_artifa
     assert out.returncode == 0 and out.stdout.startswith("usage: kvcalib show "), out.stderr
     assert _console_script(["nope"], tmp_path).returncode == EXIT_USER
     path = make_artifact("int4-token")
-    out = _console_script(["check", str(path), "contexts=[32]", "batches=[1]"], tmp_path)
+    out = _console_script(["check", str(path), "contexts=[32]", "batches=[1]", "model.source=tiny",
+                           "allow_unclaimed=true"], tmp_path)
     assert out.returncode == 0 and "runtime check passed" in out.stdout, out.stderr[-2000:]
     out = _console_script(["check", str(tmp_path / "missing")], tmp_path)
     assert out.returncode == EXIT_USER and "Traceback" not in out.stderr, out.stderr[-2000:]
     out = _console_script(["run", *TINY, "data.seq_len=1"], tmp_path)
     assert out.returncode == EXIT_USER and "data.seq_len must be >= 2 tokens, got 1" in out.stderr
+
+
+# ---- paths the system cannot look up; what `show` takes its argument for (issue 68, items 3 and 6) -------------------
+
+def _main(args, capsys):
+    """pipeline.cli.main(args) in this process -> (exit code, stdout, stderr)."""
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+LONG = "p" * 5000
+
+
+@pytest.mark.parametrize("args,named", [
+    (["show", LONG], "ARTIFACT"),
+    (["check", LONG], "ARTIFACT"),
+    (["check", "a/" * 2500, "contexts=[8]"], "ARTIFACT"),
+    (["check", "some-artifact", "--out", LONG], "--out"),
+    (["export-vllm", LONG, "out"], "ARTIFACT"),
+    (["export-vllm", "some-artifact", "out", f"model.path={LONG}"], "model.path"),
+    (["recommend", LONG], "RUN_DIR"),
+    (["recommend", "--platform", "gpu", "x" * 300], "RUN_DIR"),
+    (["run", "model=llama3", f"model.path={LONG}"], "model.path"),
+], ids=["show", "check", "check-in-parts", "check-out", "export-vllm", "export-vllm-model-path", "recommend",
+        "recommend-component-300", "run-model-path"])
+def test_a_path_the_system_cannot_look_up_exits_2_in_one_line(capsys, args, named):
+    """Before: OSError ENAMETOOLONG from os.stat / Path.is_dir in the command, exit 5 ("a bug") with a traceback."""
+    code, _, err = _main(args, capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith(f"error: {named}: ") and "File name too long" in err and len(err) < 600, err
+
+
+def test_export_vllm_refuses_an_out_path_too_long_before_anything_loads(make_artifact, capsys):
+    """Before: the artifact and the model loaded, then Path.exists(OUT) raised OSError: exit 5."""
+    code, _, err = _main(["export-vllm", str(make_artifact("fp8-e4m3")), "o" * 5000], capsys)
+    assert code == EXIT_USER and err.startswith("error: OUT: ") and err.count("\n") == 1, err[-2000:]
+
+
+@pytest.mark.parametrize("target,says", [
+    ("some/folder/that-does-not-exist", "ARTIFACT: no such folder: some/folder/that-does-not-exist (an artifact "
+                                        "folder holds manifest.json"),
+    ("./artifact", "ARTIFACT: no such folder: ./artifact"),
+    ("~/outputs/artifact", "ARTIFACT: no such folder: ~/outputs/artifact"),
+    (".artifact", "ARTIFACT: no such folder: .artifact"),
+    ("here/a-file.txt", "ARTIFACT: is not a folder: here/a-file.txt"),
+    ("a\x1b[2J/b", "ARTIFACT: no such folder: a\\x1b[2J/b"),
+    ("not-a-run-id", "not-a-run-id is neither an artifact folder (no folder of that name here) nor an MLflow run id "
+                     "(32 lowercase hexadecimal digits, as `run` prints it: `mlflow: run RUN_ID ...`)"),
+    ("0123456789ABCDEF" * 2, "is neither an artifact folder"),
+], ids=["missing-folder", "dot-slash", "tilde", "leading-dot", "a-file", "escape", "neither", "upper-case-hex"])
+def test_show_tells_a_missing_folder_from_a_run_id_before_mlflow(tmp_path, monkeypatch, capsys, target, says):
+    """Before: any argument that was no folder was taken for a run id: MLflow opened (47-50 s), then a message
+    about tracking.uri. Now a path or anything unlike a run id is refused at once, MLflow never consulted."""
+    import time
+
+    import pipeline.tracking
+
+    def consulted(*_a, **_k):
+        raise AssertionError("MLflow consulted")
+
+    monkeypatch.setattr(pipeline.tracking, "show_run", consulted)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "a-file.txt").write_text("x")
+    start = time.monotonic()
+    code, _, err = _main(["show", target], capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and says in err and "\x1b" not in err, err[-2000:]
+    assert time.monotonic() - start < 5
+
+
+def test_show_takes_a_run_id_to_mlflow(tmp_path, monkeypatch, capsys):
+    import pipeline.tracking
+
+    seen = []
+    monkeypatch.setattr(pipeline.tracking, "show_run", lambda run_id, uri: seen.append((run_id, uri)) or "the run")
+    monkeypatch.chdir(tmp_path)
+    run_id = "0123456789abcdef" * 2
+    code, out, _ = _main(["show", run_id, "tracking.uri=sqlite:///x.db"], capsys)
+    assert code == 0 and out == "the run\n" and seen == [(run_id, "sqlite:///x.db")]

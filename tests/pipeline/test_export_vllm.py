@@ -154,18 +154,23 @@ def test_a_hugging_face_source_is_linked_and_its_index_merged(tmp_path, make_art
 
 
 def test_export_vllm_command(tmp_path, make_artifact):
+    """The tiny artifacts are exported unchecked on purpose (--unchecked): the command's kinds are under test here,
+    its refusal of an unchecked artifact below; their random model is asked for by name (model.source=tiny)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     good = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("fp8-e4m3")),
-                           str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=ROOT)
+                           str(tmp_path / "out"), "--unchecked", "model.source=tiny"], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
     assert good.returncode == 0, good.stderr[-2000:]
     assert "vllm serve" in good.stdout and "--kv-cache-dtype fp8" in good.stdout
+    assert good.stdout.startswith("unchecked (--unchecked): manifest field runtime_check: null")
     ct.verify_checkpoint(tmp_path / "out")
     bad = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("kivi-2")),
                           str(tmp_path / "out2")], capture_output=True, text=True, env=env, cwd=ROOT)
     assert bad.returncode == EXIT_USER and "CheckpointError" in bad.stderr and "layers/0/key/format" in bad.stderr
     assert not (tmp_path / "out2").exists()
     packed = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(make_artifact("kvquant-4b-1pct")),
-                             str(tmp_path / "out3")], capture_output=True, text=True, env=env, cwd=ROOT)
+                             str(tmp_path / "out3"), "--unchecked", "model.source=tiny"], capture_output=True,
+                            text=True, env=env, cwd=ROOT)
     assert packed.returncode == 0, packed.stderr[-2000:]
     assert f"vllm serve {(tmp_path / 'out3').resolve()} --kv-cache-dtype auto\n" in packed.stdout
     assert "kvcalib vLLM plugin installed in vLLM's environment" in packed.stdout and "fp8" not in packed.stdout
@@ -174,6 +179,78 @@ def test_export_vllm_command(tmp_path, make_artifact):
     usage = subprocess.run([sys.executable, "-m", "pipeline", "export-vllm", str(tmp_path / "out")],
                            capture_output=True, text=True, env=env, cwd=ROOT)
     assert usage.returncode == EXIT_USER and "usage: python -m pipeline export-vllm" in usage.stderr
+
+
+# ---- the runtime check: an unchecked or failed artifact is not exported as if it had passed (issue 68, item 7) ----
+
+TOLERANCE = {"atol": 1e-5, "rtol": 2e-4, "criterion": "max|kernel - oracle| <= atol + rtol * max|oracle|"}
+PASSED = {"status": "passed", "max_abs_err": 1e-6, "max_rel_err": 2e-6, "tolerance": TOLERANCE,
+          "reason": "float32 rounding", "device": "cpu", "triton": "3.4.0", "interpreter": True, "contexts": [16],
+          "batches": [1], "cases": [{"context": 16, "batch": 1, "max_abs_err": 1e-6, "max_rel_err": 2e-6,
+                                     "worst_layer": 0, "ok": True}]}
+FAILED = {**PASSED, "status": "failed", "max_abs_err": None, "max_rel_err": None, "cases": [],
+          "error": "context 16, batch 1, triton kernel: it failed\x1b[2J"}
+
+
+def _export(args, capsys):
+    """`export-vllm ARGS` in this process (the tiny model asked for on the command line) -> (code, out, err)."""
+    from pipeline.export_vllm import main
+
+    code = main([*args, "model.source=tiny"])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_an_artifact_never_checked_is_refused_unless_unchecked(tmp_path, make_artifact, capsys):
+    """Before: exported with no word (manifest runtime_check null: check.enabled=false, or its run still checking)."""
+    art = make_artifact("fp8-e4m3")
+    code, _, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert ("manifest field runtime_check: null, its decode kernels were never checked against the oracle (its run "
+            "had check.enabled=false, or is still checking it); export-vllm exports a checked artifact "
+            "(runtime_check status 'passed'). Check it first: `kvcalib check ") in err
+    assert "--unchecked to export it as it is" in err
+    code, out, _ = _export([str(art), str(tmp_path / "out"), "--unchecked"], capsys)
+    assert code == 0 and out.startswith("unchecked (--unchecked): manifest field runtime_check: null")
+    assert "kvcalib/manifest.json carries it" in out and "vllm serve" in out
+    ct.verify_checkpoint(tmp_path / "out")
+
+
+def test_a_failed_check_is_refused_and_a_passed_one_exported(tmp_path, make_artifact, capsys):
+    from exporters.native import update_manifest
+
+    art = make_artifact("fp8-e4m3")
+    update_manifest(art, runtime_check=FAILED)
+    code, _, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == EXIT_USER and ("manifest field runtime_check: status 'failed' (context 16, batch 1, triton kernel: "
+                                  "it failed\\x1b[2J); export-vllm exports a checked artifact") in err
+    assert "\x1b" not in err and not (tmp_path / "out").exists()
+    update_manifest(art, runtime_check=PASSED)
+    code, out, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == 0 and out.startswith("vllm checkpoint: ") and "unchecked" not in out, err
+
+
+def test_the_record_check_writes_beside_the_artifact_counts_when_it_is_its(tmp_path, make_artifact, capsys):
+    """`kvcalib check ARTIFACT` never modifies the artifact: its record, ARTIFACT.check.json, is the verdict
+    export-vllm takes -- bound to the manifest by manifest_digest, so a record of an earlier artifact at the same
+    path says nothing."""
+    from pipeline.check import result_path
+
+    art = make_artifact("fp8-e4m3")
+    digest = json.loads((art / "manifest.json").read_text())["manifest_digest"]
+    result_path(art).write_text(json.dumps({**PASSED, "manifest_digest": "0" * 64}))
+    code, _, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == EXIT_USER and "is the record of another manifest: its manifest_digest '000000" in err
+    result_path(art).write_text(json.dumps({**FAILED, "manifest_digest": digest}))
+    code, _, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == EXIT_USER and f"runtime_check: status 'failed' in {result_path(art)} (the record" in err
+    result_path(art).write_text(json.dumps({**PASSED, "manifest_digest": digest}))
+    code, out, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == 0 and "unchecked" not in out, err
+    result_path(art).write_text("[" * 100_000)
+    code, _, err = _export([str(art), str(tmp_path / "out2")], capsys)
+    assert code == EXIT_USER and "artifact.check.json: nests objects and arrays deeper" in err.replace(
+        f"{art.name}.check.json", "artifact.check.json")
 
 
 # ---- the packed kind: a kvquant recipe the kvcalib vLLM plugin serves -----------------------------------------
@@ -278,3 +355,13 @@ def test_the_packed_config_and_index_carry_no_scheme_and_refuse_a_quantized_sour
                      "weight_map": {"a.weight": "model-1.safetensors", "b.weight": "model-2.safetensors"}}
     with pytest.raises(ct.CheckpointError, match="a source shard is named kv_cache_scales.safetensors"):
         ct.weights_index({"a.weight": ct.SCALES_FILE}, 4)
+
+
+def test_the_artifacts_strings_reach_the_terminal_escaped_in_one_line(tmp_path, make_artifact, forge, capsys):
+    """A model name holding a terminal escape and a newline, quoted by the refusal of another model (weights seed
+    1): one line, escaped (before: the escape reached the terminal, the newline made a line of its own)."""
+    art = forge(make_artifact("fp8-e4m3"), lambda m: m["model"].update(name="tiny\x1b[2J\nserve: fake"), rebind=True)
+    code, out, err = _export([str(art), str(tmp_path / "out"), "--unchecked", "model.tiny.seed=1"], capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and "\x1b" not in err, err
+    assert "ModelMismatchError: artifact was calibrated for model tiny\\x1b[2J\\nserve: fake with" in err
+    assert not (tmp_path / "out").exists()

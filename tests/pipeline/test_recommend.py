@@ -292,3 +292,93 @@ def test_llamacpp_without_its_evaluation_is_refused_naming_the_override(tmp_path
     run = subprocess.run([sys.executable, "-m", "pipeline", "recommend", str(tmp_path), "--engine", "sglang"],
                          capture_output=True, text=True, cwd=str(ROOT))
     assert run.returncode == EXIT_USER and "--engine must be one of ('vllm', 'llama.cpp'), got 'sglang'" in run.stderr
+
+
+# ---- a run folder from elsewhere (issue 68, items 3 and 4) ----------------------------------------------------------
+
+def _cli(args, capsys):
+    """`python -m pipeline ARGS` in this process -> (exit code, stdout, stderr)."""
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    out = capsys.readouterr()
+    return exit_.value.code, out.out, out.err
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+@pytest.mark.parametrize("text,says", [
+    ("{not json", "summary.json: not valid UTF-8 JSON (JSONDecodeError"),
+    ("[1, 2]", "summary.json: allowed a JSON object, got list"),
+    ('{"x": ' + _deep(100_000) + "}", "summary.json: nests objects and arrays deeper than Python reads"),
+    ('{"evaluation": ' + _deep(40) + "}", "summary.json: evaluation" + "/0" * 31 + " nests objects and arrays deeper"),
+    ('{"evaluation": "x"}', "summary.json field evaluation: allowed an object or null, got str 'x'"),
+    (json.dumps({**SUMMARY, "evaluation": {"recipes": {"fp16": {"avg_bits": "16", "ppl_ratio": 1.0}}}}),
+     "summary.json field evaluation/recipes/fp16/avg_bits: allowed a number, got str '16'"),
+    (json.dumps({**SUMMARY, "evaluation": {"recipes": {"fp16": {"avg_bits": 16, "ppl_ratio": 10 ** 400}}}}),
+     "summary.json field evaluation/recipes/fp16/ppl_ratio: allowed a number, got int 1000"),
+    (json.dumps({**SUMMARY, "model": {"source": {"kind": "local"}}}),
+     "summary.json field model/source/path: allowed a string, got NoneType None"),
+    (json.dumps({**SUMMARY, "mixed": "yes"}), "summary.json field mixed: allowed an object or null, got str 'yes'"),
+    (json.dumps({**SUMMARY, "drift": {"gate": {"thresholds": {"max_ppl_ratio": [1]}}}}),
+     "summary.json field drift/gate/thresholds/max_ppl_ratio: allowed a number or null, got list [1]"),
+    (json.dumps({**SUMMARY, "evaluation_llamacpp": {"types": {"q4_0": {"avg_bits": 4.5, "ppl_ratio": 1.0}}}}),
+     "summary.json field evaluation_llamacpp/types/q4_0/type_k: allowed a string, got NoneType None"),
+], ids=["not-json", "list", "deep-100000", "deep-40", "evaluation-str", "bits-str", "ratio-huge", "source-no-path",
+        "mixed-str", "gate-list", "llamacpp-no-type"])
+def test_a_malformed_summary_is_refused_in_one_line_naming_the_file(tmp_path, capsys, text, says):
+    """Before: exit 5 (JSONDecodeError, RecursionError, AttributeError, TypeError, KeyError, OverflowError)."""
+    (tmp_path / "summary.json").write_text(text)
+    code, _, err = _cli(["recommend", str(tmp_path)], capsys)
+    assert code == EXIT_USER and "Traceback" not in err and "internal error" not in err, err[-2000:]
+    assert err.count("\n") == 1 and says in err, err[-2000:]
+
+
+def test_a_malformed_overrides_file_is_refused_naming_it(tmp_path, capsys):
+    (tmp_path / "summary.json").write_text(json.dumps(NO_CHECKPOINT))
+    (tmp_path / ".hydra").mkdir()
+    for text, says in (("- a\n  - b: [", "overrides.yaml: not valid UTF-8 YAML"),
+                       ("{a: 1}", "overrides.yaml: allowed a list of overrides (key=value strings, as Hydra writes "
+                                  "it), got dict {'a': 1}")):
+        (tmp_path / ".hydra" / "overrides.yaml").write_text(text)
+        code, _, err = _cli(["recommend", str(tmp_path)], capsys)
+        assert code == EXIT_USER and says in err and err.count("\n") == 1, err[-2000:]
+
+
+@pytest.mark.parametrize("run_dir", ["r" * 5000, "r/" * 2500, "x" * 300],
+                         ids=["5000", "5000-in-parts", "component-300"])
+def test_a_run_dir_the_system_cannot_look_up_is_refused(capsys, run_dir):
+    """Before: OSError ENAMETOOLONG from Path.is_file, exit 5."""
+    code, _, err = _cli(["recommend", run_dir], capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and "Traceback" not in err, err[-2000:]
+    assert err.startswith("error: RUN_DIR: ") and "File name too long" in err and len(err) < 600
+    with pytest.raises(UserError, match="RUN_DIR: .*File name too long"):   # the library entry refuses it too
+        recommend_main([run_dir])
+
+
+HOSTILE = "x\x1b[2J\x1b[31mPASSED\nfake line"
+
+
+def test_every_string_of_the_summary_is_printed_escaped(tmp_path):
+    """A recipe name, model name, model path and artifact path holding a terminal escape and a newline: printed
+    escaped, and the newline adds no line (before: printed raw)."""
+    recipes = {**SUMMARY["evaluation"]["recipes"], HOSTILE: row(4.2, 1.01)}
+    summary = {**NO_CHECKPOINT, "recipe": HOSTILE, "artifact_dir": f"/runs/{HOSTILE}/artifact",
+               "model": {"name": HOSTILE, "source": source(path=f"/models/{HOSTILE}")},
+               "evaluation": {"windows": HOSTILE, "seq_len": 1024, "recipes": recipes}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    plain_recipes = {**SUMMARY["evaluation"]["recipes"], "my-recipe": row(4.2, 1.01)}
+    (plain / "summary.json").write_text(json.dumps({**NO_CHECKPOINT, "recipe": "my-recipe", "evaluation": {
+        **summary["evaluation"], "windows": 8, "recipes": plain_recipes}}))
+    for platform in ("cpu", "gpu"):
+        text = recommend_main([str(tmp_path), "--platform", platform])
+        assert "\x1b" not in text and "fake line" not in text.replace("\\nfake line", ""), text
+        assert text.count("\n") == recommend_main([str(plain), "--platform", platform]).count("\n")
+        escaped = "x\\x1b[2J\\x1b[31mPASSED\\nfake line"
+        assert f"on {escaped} windows" in text and f"model: /models/{escaped})" in text
+        assert re.search(rf"^{re.escape(escaped)} +- \(Python\)", text, re.M), text

@@ -38,22 +38,61 @@ def test_the_warm_up_fills_sink_and_residual_then_stored_rows_and_shrinks_to_fit
     assert canary.lengths(policy, 150) is None  # 16 + 128 + 1 + 16 > 149
 
 
-@pytest.mark.parametrize("kl, base, recorded, ok", [
-    (0.004, 0.003, None, True),       # within max(3 * 0.003, 0.003 + 0.01) = 0.013
-    (0.02, 0.003, None, False),       # beyond it
-    (0.02, 0.01, None, True),         # max(0.03, 0.02) = 0.03
-    (0.004, 0.003, 0.004, True),      # the recorded limit 1.5 * 0.004 + 0.005 = 0.011
-    (0.012, 0.003, 0.004, False),     # within the calibration-free limit, beyond the recorded one
+def test_a_flush_unit_past_the_model_cannot_switch_the_canary_off_it_is_named():
+    """A layer whose flush unit never fills within the model's positions (KIVI-style keys grouped by 8192 rows on a
+    4096-position model) used to push the warm-up past the model and the canary was "not run": the warm-up now
+    counts only the units that fit, and never_stored names the layer."""
+    kivi = TensorPolicy(format="uniform", bits=2, axis="channel", group_size=8192)
+    tok = TensorPolicy(format="uniform", bits=2, axis="token")
+    policy = CachePolicy(name="r", layers=[(kivi, tok), (tok, tok)], n_sink=4, residual=32)
+    assert canary.lengths(policy, 4096) == (4 + 32 + canary.STORED, canary.TOKENS)
+    assert canary.never_stored(policy, 4096) == [
+        "layer 0: a flush unit of 8192 rows, more than the 4043 positions a sequence has after the sink and "
+        "residual rows"]
+    fits = dataclasses.replace(policy, layers=[(dataclasses.replace(kivi, group_size=32), tok), (tok, tok)])
+    assert canary.never_stored(fits, 4096) == [] and canary.lengths(fits, 4096)[0] == 4 + 32 + 256
+
+
+MEASURED = {"tokens": 128, "warmup": 400, "kl": 0.004, "agreement": 0.9, "baseline": "b", "baseline_kl": 1.0,
+            "baseline_agreement": 0.5}
+
+
+@pytest.mark.parametrize("kl, top1, claim, require, ok", [
+    (0.004, 0.9, None, False, True),                                  # within the limits, no claim required
+    (0.004, 0.9, None, True, False),                                   # a claim is required and absent
+    (0.3, 0.9, None, False, False),                                    # KL above max_kl 0.25
+    (0.004, 0.7, None, False, False),                                  # top-1 below min_top1 0.75
+    (0.004, 0.9, {"kl": 0.004, "agreement": 0.9}, True, True),         # the claim re-measured
+    (0.0045, 0.9, {"kl": 0.004, "agreement": 0.9}, True, False),       # worse than 1.05 x 0.004 + 1e-4 = 0.0043
+    (0.004, 0.87, {"kl": 0.004, "agreement": 0.9}, True, False),       # top-1 worse than the claim by 3 of 128
+    (0.004, 0.9, {"kl": 0.004, "agreement": 0.9, "tokens": 64}, True, False),  # measured on another canary
 ])
-def test_the_verdict(kl, base, recorded, ok):
-    measured = {"tokens": 128, "warmup": 400, "kl": kl, "agreement": 0.9, "baseline": "b", "baseline_kl": base,
-                "baseline_agreement": 0.9}
-    out = canary.judge(measured, None if recorded is None else {"tokens": 128, "kl": recorded})
-    assert out["ok"] is ok and out["reason"].startswith("passed" if ok else "FAILED")
-    assert out["limit"] == pytest.approx(max(3 * base, base + 0.01))
-    assert out["recorded_kl"] == recorded
-    other = canary.judge(measured, {"tokens": 64, "kl": 0.0})  # another length: not comparable, not used
-    assert other["recorded_kl"] is None
+def test_the_verdict_is_absolute_limits_and_the_claim(kl, top1, claim, require, ok):
+    measured = dict(MEASURED, kl=kl, agreement=top1)
+    if claim is not None:
+        claim = {"tokens": 128, "warmup": 400} | claim
+    out = canary.judge(measured, claim, require_claim=require)
+    assert out["ok"] is ok and out["reason"].startswith("passed" if ok else "FAILED"), out["reason"]
+    assert out["limit"] == canary.MAX_KL
+    assert (out["failures"] == []) is ok
+    assert canary.judge(measured, claim, max_kl=1.0, min_top1=0.0, require_claim=False,
+                        findings=["prefix"])["ok"] is False  # a finding beside the measurement fails it
+
+
+def test_the_baseline_does_not_set_the_limit():
+    """A baseline of 5 nats (2 bits, calibration-free) used to allow 15 nats: the limit is max_kl whatever it is."""
+    out = canary.judge(dict(MEASURED, kl=0.5, baseline_kl=5.0), None, require_claim=False)
+    assert not out["ok"] and "above max_kl 0.25" in out["reason"]
+
+
+def test_stored_prefix_rows_are_compared_with_the_models_own():
+    k = torch.randn(2, 3, 4, 8)
+    v = torch.randn(2, 3, 4, 8)
+    assert canary.prefix_difference({"k": k.half(), "v": v.half()}, (k, v)) is None  # fp16 storage
+    poisoned = k.clone()
+    poisoned[1, :, 0] = 1e4
+    why = canary.prefix_difference({"k": poisoned, "v": v}, (k, v))
+    assert why.startswith("cache/prefix k, layer 1: the stored rows differ"), why
 
 
 def test_a_poisoned_fp8_scale_that_decodes_as_the_spec_says_fails_the_canary_on_a_real_model(smollm2):
@@ -82,10 +121,10 @@ def test_a_poisoned_fp8_scale_that_decodes_as_the_spec_says_fails_the_canary_on_
     honest = dataclasses.replace(honest, layers=layers)
     poisoned = dataclasses.replace(honest, layers=[tuple(dataclasses.replace(p, fp8_scale=p.fp8_scale / 37) for p in pair)
                                                    for pair in layers])
-    good = canary.judge(canary.measure(model, honest, ids, warmup), None)
-    bad = canary.judge(canary.measure(model, poisoned, ids, warmup), None)
+    good = canary.judge(canary.measure(model, honest, ids, warmup), None, require_claim=False)
+    bad = canary.judge(canary.measure(model, poisoned, ids, warmup), None, require_claim=False)
     assert good["ok"], good["reason"]
-    assert not bad["ok"] and bad["kl"] > 3 * good["kl"], bad["reason"]
+    assert not bad["ok"] and bad["kl"] > canary.MAX_KL, bad["reason"]
     assert bad["baseline_kl"] == good["baseline_kl"]  # the baseline reads nothing of the artifact
 
 
@@ -104,7 +143,8 @@ def test_an_fp16_cache_scores_kl_exactly_zero_and_agreement_exactly_one(model, r
     measured = canary.measure(bundle.model, policy, eval_ids(bundle.tokenizer, 1, warmup + tokens), warmup)
     assert measured["kl"] == 0.0 and measured["agreement"] == 1.0, measured
     assert measured["baseline_kl"] == 0.0 and measured["baseline_agreement"] == 1.0  # the baseline keeps fp16
-    assert canary.judge(measured, {"tokens": measured["tokens"], "kl": 0.0})["ok"]
+    claim = {"tokens": measured["tokens"], "warmup": measured["warmup"], "kl": 0.0, "agreement": 1.0}
+    assert canary.judge(measured, claim)["ok"]
 
 
 def test_a_kl_far_below_zero_is_a_bug_named_not_a_figure():

@@ -1,10 +1,11 @@
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 
 from exporters.codec import CachePolicy, CodecError, TensorPolicy, decode, encode, fake_quant, static_bits
-from exporters.layout import PAGE, PagedBlock, join, load, pages_of, store
+from exporters.layout import PAGE, PagedBlock, join, load, n_outliers, pages_of, store
 from exporters.ledger import predict_bytes
 from exporters.rope import apply_rope
 from serving.blockwise import generate
@@ -13,8 +14,12 @@ from stages.hooks import rope_tables
 
 
 def kvquant_policy(n_layers, h, d, residual=0, bits=4):
+    """Keys nuq per channel with 1% static-bound outliers, values nuq per token with 1%: the key bounds lie about
+    the 0.5% / 99.5% quantiles of N(0, 1) (+-2.58; the tests' rows are standard normal), each channel its own, so
+    the declared fraction is what the rows hold -- as calibration makes it (the cache bounds what a layer holds
+    beyond it: serving.cache.OUTLIER_MARGIN)."""
     g = torch.Generator().manual_seed(1)
-    lower, upper = -torch.rand(h, d, generator=g) - 0.2, torch.rand(h, d, generator=g) + 0.2
+    lower, upper = -torch.rand(h, d, generator=g) * 0.3 - 2.45, torch.rand(h, d, generator=g) * 0.3 + 2.45
     book = torch.linspace(-1, 1, 2 ** bits)
     k = TensorPolicy(format="nuq", bits=bits, axis="channel", outlier_fraction=0.01, codebook=book,
                      zero=(upper + lower) / 2, range=(upper - lower) / 2, lower=lower, upper=upper)
@@ -79,6 +84,7 @@ def test_measured_bytes_follow_the_ledger(tiny):
                 for layer in cache.layers]
         predicted = predict_bytes(policy, t, spec.n_kv_heads, spec.head_dim, expected=outl)
         assert measured == pytest.approx(predicted, rel=1e-9), residual
+        assert cache.stats["outliers_clamped"] == 0  # bounds honest for the declared fraction: nothing clamped
 
 
 def test_rotated_values_store_the_codecs_bytes_and_follow_the_ledger(tiny):
@@ -113,9 +119,11 @@ def test_rotated_values_store_the_codecs_bytes_and_follow_the_ledger(tiny):
 
 def test_rotated_values_are_encoded_ahead_in_one_codec_call_per_window_with_the_same_bytes(tiny, monkeypatch):
     """The codec encodes a rotated layer's flushed value rows together with the residual rows after them and keeps
-    those bytes for the next flushes: 12 single-token steps with a residual window of 5 call it 3 times per layer,
-    not 12, and every stored value page is byte for byte the codec's encoding of its rows alone; a batch edit drops
-    what was encoded ahead (the steps after it store the bytes of the reordered rows)."""
+    those bytes for the next flushes: 12 single-token steps with a residual window of 5 call it twice per layer,
+    not 12; the prefill is encoded a page at a time (pages of 8: its first 8 flushed rows, then the last 5 with the
+    5 rows ahead), never whole; every stored value page is byte for byte the codec's encoding of its rows alone; a
+    batch edit takes what was encoded ahead with its sequences (the steps after it store the bytes of the
+    reordered rows)."""
     import serving.cache as cache_module
 
     spec = tiny.spec
@@ -136,7 +144,8 @@ def test_rotated_values_are_encoded_ahead_in_one_codec_call_per_window_with_the_
     for sk, sv in steps:
         layer.update(sk, sv)
     value_calls = [n for where, n in calls if where.endswith("values")]
-    assert value_calls == [18, 6, 6]            # the prefill's 13 flushed rows + 5 ahead; then 1 + 5 ahead twice
+    assert value_calls == [8, 10, 6, 6]         # the prefill's 13 flushed rows: 8, then 5 + 5 ahead; 1 + 5 twice
+    assert max(value_calls) <= layer.page + policy.residual
     v_all = torch.cat([v, *(sv for _, sv in steps)], 2).half()
     flushed = layer.v_block.shape[2]
     want = store(encode(v_all[:, :, 2:2 + flushed].float(), pv), pv, 2)
@@ -145,8 +154,11 @@ def test_rotated_values_are_encoded_ahead_in_one_codec_call_per_window_with_the_
         assert torch.equal(got.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
     assert layer.reserved_bytes() >= layer._v_ahead.nbytes > 0
     idx = torch.tensor([1, 1])
+    ahead = layer._v_ahead
     layer.batch_select_indices(idx)
-    assert layer._v_ahead is None
+    assert layer._v_ahead.shape == (2, *ahead.shape[1:]) and layer._v_ahead.start == ahead.start
+    for name, t in ahead.tensors.items():
+        assert torch.equal(layer._v_ahead.tensors[name].view(torch.uint8), t[idx].view(torch.uint8)), name
     for sk, sv in steps[:3]:
         layer.update(sk[idx], sv[idx])
     v_new = torch.cat([v_all[idx], *(sv[idx].half() for _, sv in steps[:3])], 2)
@@ -363,15 +375,18 @@ def test_pages_hold_the_bytes_of_one_block(tiny, which):
         assert paged.layers[0].k_block.tensors["outlier_value"].numel() > 10
     assert paged.nbytes() == whole.nbytes()
     acc = paged.accounting()
+    assert acc["outliers_clamped"] == whole.stats["outliers_clamped"] == 0
     assert sum(acc[kind] for kind in HELD_KINDS) == paged.nbytes()
     open_page = paged.layers[0].k_rows.open  # a last page not yet full: its unused rows are reserved, not held
     assert acc["reserved_capacity_bytes"] >= 0 and (open_page is None or acc["reserved_capacity_bytes"] > 0)
 
 
 def _storage_bytes(layer) -> int:
-    """Bytes of every storage the layer's stored tensors live in (sink, residual, pages), each storage once."""
+    """Bytes of every storage the layer's stored tensors live in (sink, residual, pages, value rows encoded ahead),
+    each storage once."""
     held = [t for pair in (layer.sink, layer.recent) if pair is not None for t in pair]
     held += [t for rows in (layer.k_rows, layer.v_rows) for page in rows.pages() for t in page.tensors.values()]
+    held += [] if layer._v_ahead is None else list(layer._v_ahead.tensors.values())
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}.values())
 
 
@@ -395,6 +410,213 @@ def test_the_cache_keeps_its_own_rows_not_the_prefill(tiny, dtype):
         assert layer.sink[0].untyped_storage().nbytes() == h * d * 2  # one fp16 row, not the chunk's 300
     acc = cache.accounting()
     assert acc["sink"] == spec.n_layers * 2 * h * d * 2  # one fp16 row of K and of V per layer
+
+
+def test_rows_encoded_ahead_are_their_own_copy_counted_as_reserved(tiny, monkeypatch):
+    """A long prefill of a rotated layer (the codec encodes its values) is encoded a page at a time -- no codec call
+    takes more than a page plus the residual window -- and the value rows encoded ahead of their flush are a copy of
+    their own: the storages the layer keeps alive are exactly the bytes it accounts for (nbytes less the static
+    tensors, plus reserved_bytes, which counts the rows ahead), never the codec's output of the whole prefill; the
+    stored bytes are the codec's encoding of the rows alone, as before."""
+    import serving.cache as cache_module
+
+    spec = tiny.spec
+    h, d, t = spec.n_kv_heads, spec.head_dim, 300
+    pv = rotated_values(d)
+    token = TensorPolicy(format="uniform", bits=4, axis="token")
+    policy = CachePolicy("rotv", [(token, pv)] * spec.n_layers, n_sink=1, residual=6)
+    calls = []
+    real = cache_module.encode
+    monkeypatch.setattr(cache_module, "encode", lambda x, p, where="tensor": calls.append((where, x.shape[2]))
+                        or real(x, p, where))
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
+    cache = ArtifactCache(policy, tiny.model, page=64)
+    layer = cache.layers[0]
+    layer.update(k, v)
+    value_calls = [n for where, n in calls if where.endswith("values")]
+    assert sum(value_calls) == t - 1 and max(value_calls) <= layer.page + policy.residual, value_calls
+    ahead = layer._v_ahead
+    assert ahead.shape[2] == policy.residual and ahead.start == t - policy.residual
+    assert cache_module._storage_bytes(ahead) == ahead.nbytes        # a copy of its own rows, nothing more
+    static = sum(static_bits(p) for p in (layer.pk, layer.pv)) // 8
+    assert _storage_bytes(layer) == layer.nbytes() - static + layer.reserved_bytes()
+    assert layer.reserved_bytes() >= ahead.nbytes
+    layer.update(torch.randn(1, h, 1, d, generator=g), torch.randn(1, h, 1, d, generator=g))  # a flush from there
+    assert _storage_bytes(layer) == layer.nbytes() - static + layer.reserved_bytes()
+    v_all = torch.cat([v, layer.recent[1][:, :, -1:].float()], 2).half()
+    want = store(encode(v_all[:, :, 1:1 + layer.v_rows.rows].float(), pv), pv, 1)
+    got = join(pages_of(layer.v_block))
+    for name, x in want.tensors.items():
+        assert torch.equal(got.tensors[name].view(torch.uint8), x.view(torch.uint8)), name
+
+
+def test_reorder_keeps_the_values_encoded_ahead(tiny, monkeypatch):
+    """Beam search reorders the cache after every step (reorder_cache): the value rows the codec encoded ahead
+    follow their sequences, so no row is encoded twice -- 8 steps with a residual window of 3 call the codec twice,
+    as without reordering, not at every step -- and the layer then equals one fed the reordered sequences
+    directly: every stored byte, the rows encoded ahead and the decoded rows."""
+    import serving.cache as cache_module
+
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    policy = _policies(spec, "rotclipv")                               # n_sink 2, residual 3
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(3, h, 20, d, generator=g), torch.randn(3, h, 20, d, generator=g)
+    steps = [(torch.randn(3, h, 1, d, generator=g), torch.randn(3, h, 1, d, generator=g)) for _ in range(8)]
+    beams = [torch.randint(0, 3, (3,), generator=g) for _ in steps]
+    calls = []
+    real = cache_module.encode
+    monkeypatch.setattr(cache_module, "encode", lambda x, p, where="tensor": calls.append((where, x.shape[2]))
+                        or real(x, p, where))
+    cache = ArtifactCache(policy, tiny.model, page=8)
+    layer = cache.layers[0]
+    layer.update(k, v)
+    calls.clear()
+    hk, hv = k, v
+    for (sk, sv), idx in zip(steps, beams):
+        layer.reorder_cache(idx)
+        hk, hv = torch.cat([hk[idx], sk], 2), torch.cat([hv[idx], sv], 2)
+        layer.update(sk, sv)
+    assert [n for where, n in calls if where.endswith("values")] == [4, 4]    # steps 4 and 8: 1 + 3 ahead
+    want = ArtifactCache(policy, tiny.model, page=8).layers[0]
+    want.update(hk[:, :, :20], hv[:, :, :20])
+    for i in range(len(steps)):
+        want.update(hk[:, :, 20 + i:21 + i], hv[:, :, 20 + i:21 + i])
+    _same(_stored(layer), _stored(want))
+    assert layer._v_ahead.start == want._v_ahead.start
+    for name, t in want._v_ahead.tensors.items():
+        assert torch.equal(layer._v_ahead.tensors[name].view(torch.uint8), t.view(torch.uint8)), name
+    for x, y in zip(layer.materialize(), want.materialize()):
+        assert torch.equal(x, y)
+    layer.batch_repeat_interleave(2)                                    # the other batch edits take the same path
+    assert layer._v_ahead.shape[0] == 6 and torch.equal(layer._v_ahead.tensors["codes"][1],
+                                                        layer._v_ahead.tensors["codes"][0])
+
+
+def test_a_smoothed_layer_on_a_gpu_lays_out_each_page_once(tiny, monkeypatch):
+    """On a GPU (emulated on the CPU: tests/virtual_devices.py) the decode inputs of a smoothed layer lie on the
+    layer's device, lambda included -- one tensor per layer, made once -- so the Triton kernel's launch
+    (triton_attention.prepare: inputs not all on its device are copied there first, inputs_to, then each page
+    laid out, kept by page object: serving/pages.py) lays out at a step only the page being written, K's and
+    V's, not every page again (a lambda left on the host made it copy the inputs and lay out every page at
+    every step)."""
+    from serving import pages, triton_attention
+    from serving.cache import from_layer
+    from serving.inputs import inputs_to
+    from tests.virtual_devices import VirtualDevices
+
+    spec = tiny.spec
+    h, d = spec.n_kv_heads, spec.head_dim
+    g = torch.Generator().manual_seed(6)
+    policy = replace(kvquant_policy(spec.n_layers, h, d, residual=2),
+                     smooth=0.5 + torch.rand(spec.n_layers, h, d, generator=g))
+    laid = []
+    real = pages.side_args
+    monkeypatch.setattr(pages, "side_args", lambda block, p, smode: laid.append(block.start) or real(block, p, smode))
+    gpu = torch.device("cuda", 0)
+    per_step, lambdas, on_device = [], [], []
+    with VirtualDevices() as mode:
+        cache = ArtifactCache(policy, tiny.model, page=8)
+        layer = cache.layers[0]
+        layer.update(torch.randn(1, h, 40, d, generator=g).to(gpu), torch.randn(1, h, 40, d, generator=g).to(gpu))
+        for _ in range(5):
+            layer.update(torch.randn(1, h, 1, d, generator=g).to(gpu), torch.randn(1, h, 1, d, generator=g).to(gpu))
+            inp = from_layer(layer, torch.randn(1, spec.n_q_heads, d).to(gpu), d ** -0.5, layer.rotary)
+            lambdas.append(inp.smooth)
+            on_device.append(triton_attention._is_on(inp, gpu))
+            if not on_device[-1]:                                       # prepare's first step, then its layouts
+                inp = inputs_to(inp, gpu)
+            laid.clear()
+            for kb, vb in zip(inp.k_block.pages, inp.v_block.pages):
+                pages.laid_out(kb, inp.key_policy, pages.side_flags(inp.key_policy)["SMODE"])
+                pages.laid_out(vb, inp.value_policy, pages.side_flags(inp.value_policy)["SMODE"])
+            per_step.append(len(laid))
+        placed = {mode.placement(lam) for lam in lambdas}
+        assert not mode.violations, mode.violations
+    assert len(inp.k_block.pages) >= 5
+    assert per_step[1:] == [2] * 4, per_step                            # the page being written, K and V
+    assert all(on_device) and placed == {gpu}                           # nothing to copy over: lambda is there
+    assert all(lam is lambdas[0] for lam in lambdas)                    # one tensor per layer, made once
+    assert torch.equal(lambdas[0], policy.smooth[0].float())
+
+
+def test_inputs_moved_to_a_device_keep_the_pages_already_there():
+    """serving.inputs.inputs_to (what a kernel runs when some input lies elsewhere) keeps every page already on the
+    device the same object, so the kernels' layouts (kept by page object) are not made again; a page elsewhere is
+    copied over."""
+    from exporters.layout import PagedRows
+    from serving.inputs import DecodeInputs, block_to, inputs_to
+    from tests.virtual_devices import VirtualDevices
+
+    p = TensorPolicy(format="uniform", bits=4, axis="token")
+    rows = PagedRows(p, 4)
+    x = torch.randn(1, 2, 10, 8, generator=torch.Generator().manual_seed(0))
+    for a in range(0, 10, 2):
+        rows.write(store(encode(x[:, :, a:a + 2], p), p, a))
+    block = rows.view()
+    inp = DecodeInputs(q=torch.zeros(1, 2, 8), scaling=1.0, key_policy=p, value_policy=p, key_rope="post",
+                       rotary=None, k_block=block, v_block=block, smooth=torch.ones(2, 8))
+    moved = inputs_to(inp, "cpu")
+    assert moved.k_block is block and all(a is b for a, b in zip(moved.k_block.pages, block.pages))
+    with VirtualDevices() as mode:
+        there = block_to(block, "cuda:0")
+        assert all(a is not b for a, b in zip(there.pages, block.pages))
+        assert {mode.placement(t) for pg in there.pages for t in pg.tensors.values()} == {torch.device("cuda", 0)}
+        again = block_to(there, "cuda:0")
+        assert again is there
+
+
+def test_outliers_beyond_the_margin_are_clamped_to_their_bound_and_counted(tiny):
+    """Key bounds with lower == upper on every channel make every key entry an outlier. The cache holds at most
+    (1 + OUTLIER_MARGIN) x the count the declared fraction expects (over >= OUTLIER_FLOOR_ROWS rows): its bytes at
+    300 tokens, and after decode steps, stay within the ledger's prediction at (1 + OUTLIER_MARGIN) x the fraction
+    (one entry of rounding per layer); the entries kept are those farthest outside their bound, the others decode
+    as the codes of the bound (what the codec encodes for a row lying on it) and are counted in
+    stats["outliers_clamped"]."""
+    from exporters.layout import outlier_coordinates
+    from serving.cache import OUTLIER_FLOOR_ROWS, OUTLIER_MARGIN
+
+    spec = tiny.spec
+    h, d, t = spec.n_kv_heads, spec.head_dim, 300
+    honest = kvquant_policy(spec.n_layers, h, d, residual=8)
+    pk, pv = honest.layers[0]
+    flat = replace(pk, lower=pk.zero.clone(), upper=pk.zero.clone())   # degenerate: lower == upper everywhere
+    policy = replace(honest, layers=[(flat, pv)] * spec.n_layers, key_rope="post")
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
+    cache = ArtifactCache(policy, tiny.model)
+    for layer in cache.layers:
+        layer.update(k, v)
+
+    def within_the_margin(length):
+        n_enc = cache.layers[0].k_rows.rows
+        cap = math.ceil((1 + OUTLIER_MARGIN) * flat.outlier_fraction * h * d * max(n_enc, OUTLIER_FLOOR_ROWS))
+        v_frac = [n_outliers(layer.v_block) / (h * d * n_enc) for layer in cache.layers]    # per-token rule
+        predicted = predict_bytes(policy, length, h, d, expected=[((1 + OUTLIER_MARGIN) * flat.outlier_fraction, f)
+                                                                  for f in v_frac])
+        assert [n_outliers(layer.k_block) for layer in cache.layers] == [cap] * spec.n_layers
+        assert predicted <= cache.nbytes() <= predicted + 4 * spec.n_layers   # 4 bytes an outlier: one of ceil
+        assert cache.stats["outliers_clamped"] == spec.n_layers * h * d * n_enc - spec.n_layers * cap
+        assert cache.accounting()["outliers_clamped"] == cache.stats["outliers_clamped"]
+
+    within_the_margin(t)
+    layer = cache.layers[0]
+    x = k[:, :, 1:1 + layer.k_rows.rows].half().float()                 # the rows encoded, as stored (fp16)
+    beyond = (x - flat.lower[None, :, None, :]).abs()
+    kept = torch.zeros_like(x, dtype=torch.bool)
+    block = join(pages_of(layer.k_block))
+    kept[outlier_coordinates(block)] = True
+    assert bool((beyond != 0).all()) and beyond[kept].min() >= beyond[~kept].max()   # the farthest are kept
+    decoded = decode(load(block, flat), flat)
+    assert torch.equal(decoded[kept], x[kept])                           # kept: exact
+    on_bound = flat.lower[None, :, None, :].expand_as(x).contiguous()
+    assert torch.equal(decoded[~kept], decode(encode(on_bound, flat), flat)[~kept])   # clamped: the bound's codes
+    for _ in range(20):                                                  # decode steps: one row at a time
+        sk, sv = torch.randn(1, h, 1, d, generator=g), torch.randn(1, h, 1, d, generator=g)
+        for layer in cache.layers:
+            layer.update(sk, sv)
+    within_the_margin(t + 20)
 
 
 @pytest.mark.parametrize("window", [None, 12])
