@@ -173,6 +173,18 @@ def read_inside(dir_fd: int, rel: str, limit: int, where: str, why: str) -> byte
         os.close(fd)
 
 
+def read_in_folder(directory: str | Path, rel: str, limit: int, where: str, why: str) -> bytes | None:
+    """The bytes of the regular file `rel` inside `directory` (None: the folder or the file is absent): open_folder,
+    then read_inside, the folder's descriptor closed whatever happens."""
+    dir_fd = open_folder(Path(directory), where)
+    if dir_fd is None:
+        return None
+    try:
+        return read_inside(dir_fd, rel, limit, where, why)
+    finally:
+        os.close(dir_fd)
+
+
 def parse_json_object(raw: bytes, where: str, error: type[InputError] = SchemaError) -> dict:
     """A side JSON file of a folder (a checkpoint's config.json, index, record; a model folder's config.json) -> a
     dict, refused (`error`, naming `where`) unless it is UTF-8 JSON holding an object nested at most MAX_DEPTH deep
@@ -303,13 +315,8 @@ def read_manifest(directory: str | Path) -> dict:
     """The checked manifest alone (digest, schema, cross-checks): the tensor file is not read. manifest.json is
     read as read_folder reads it (a regular file inside the folder, at most MAX_MANIFEST_BYTES)."""
     where = str(directory)
-    dir_fd = open_folder(Path(directory), where)
-    try:
-        raw = None if dir_fd is None else read_inside(dir_fd, MANIFEST_FILE, MAX_MANIFEST_BYTES, where,
-                                                      "a manifest of the schema's largest model is about 4 MB")
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
+    raw = read_in_folder(directory, MANIFEST_FILE, MAX_MANIFEST_BYTES, where,
+                         "a manifest of the schema's largest model is about 4 MB")
     if raw is None:
         raise ManifestError(f"no {MANIFEST_FILE} in {where!r}: not an artifact folder")
     return parse_manifest_bytes(raw)

@@ -320,7 +320,7 @@ def quality_canary(artifact, model_bundle, cfg: CheckConfig, log: Callable[[str]
     if claims:
         show_claims(manifest, judge_claim, log)
     findings = canary.never_stored(policy, spec.max_positions)
-    prefix = artifact_prefix(artifact)
+    prefix, model_prefix = artifact_prefix(artifact), None
     if prefix is not None:
         import torch
 
@@ -328,6 +328,7 @@ def quality_canary(artifact, model_bundle, cfg: CheckConfig, log: Callable[[str]
             computed = prefix_rows(policy, model_bundle.model, None)
         if why := canary.prefix_difference(prefix, computed):
             findings.append(why)
+        model_prefix = {"ids": prefix["ids"], "k": computed[0], "v": computed[1]}  # the baseline's, computed once
     tokens = claim["tokens"] if claim and isinstance(claim.get("tokens"), int) else cfg.canary_tokens
     fit = canary.lengths(policy, spec.max_positions, tokens)
     if fit is None:
@@ -336,7 +337,7 @@ def quality_canary(artifact, model_bundle, cfg: CheckConfig, log: Callable[[str]
                               f"tokens")
     warmup, tokens = fit
     ids = eval_ids(model_bundle.tokenizer, 1, warmup + tokens)
-    measured = canary.measure(model_bundle.model, policy, ids, warmup, prefix)
+    measured = canary.measure(model_bundle.model, policy, ids, warmup, prefix, model_prefix)
     result = canary.judge(measured, claim, cfg.max_kl, cfg.min_top1, require_claim, findings)
     log(f"  quality canary ({result['tokens']} tokens decoded after {result['warmup']}): KL "
         f"{result['kl']:.4g} nats, top-1 agreement {result['agreement']:.3f} (calibration-free at the same bits, for "

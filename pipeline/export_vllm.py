@@ -62,18 +62,10 @@ def refuse_unservable(manifest: dict, policy) -> str:
 def _check_record(beside: Path) -> dict | None:
     """The record `kvcalib check ARTIFACT` wrote beside the folder (pipeline.check.result_path), read as untrusted
     input (a regular file, bounded, a JSON object nested at most MAX_DEPTH deep); None when there is none."""
-    import os
-
-    from exporters.artifact import MAX_JSON_BYTES, open_folder, parse_json_object, read_inside
+    from exporters.artifact import MAX_JSON_BYTES, parse_json_object, read_in_folder
     from pipeline.errors import UserError
 
-    dir_fd = open_folder(beside.parent, str(beside.parent))
-    if dir_fd is None:
-        return None
-    try:
-        raw = read_inside(dir_fd, beside.name, MAX_JSON_BYTES, str(beside.parent), "a check record is a few KB")
-    finally:
-        os.close(dir_fd)
+    raw = read_in_folder(beside.parent, beside.name, MAX_JSON_BYTES, str(beside.parent), "a check record is a few KB")
     return None if raw is None else parse_json_object(raw, str(beside), UserError)
 
 

@@ -467,18 +467,9 @@ def _option(args: list[str], i: int, name: str) -> tuple[str, int]:
 def _read_inside(run_dir: Path, rel: str, limit: int, why: str) -> bytes | None:
     """A file of the run folder (None: absent), read as untrusted input: a regular file inside the folder (no
     symbolic link, FIFO or device on the way), bounded by `limit` and not sparse (exporters.artifact.read_inside)."""
-    import os
+    from exporters.artifact import read_in_folder
 
-    from exporters.artifact import open_folder, read_inside
-
-    where = shown(run_dir, PATH_MAX)
-    dir_fd = open_folder(run_dir, where)
-    if dir_fd is None:
-        return None
-    try:
-        return read_inside(dir_fd, rel, limit, where, why)
-    finally:
-        os.close(dir_fd)
+    return read_in_folder(run_dir, rel, limit, shown(run_dir, PATH_MAX), why)
 
 
 def _run_overrides(run_dir: Path) -> list[str]:

@@ -178,16 +178,19 @@ def kl_and_agreement(ref: torch.Tensor, got: torch.Tensor, prefix: str = "") -> 
             figures.fraction(f"runtime_check/canary/{prefix}agreement", float(agree)))
 
 
-def measure(model: torch.nn.Module, policy, ids: torch.Tensor, warmup: int, prefix: dict | None = None) -> dict:
+def measure(model: torch.nn.Module, policy, ids: torch.Tensor, warmup: int, prefix: dict | None = None,
+            model_prefix: dict | None = None) -> dict:
     """The canary of `policy` on `model` over ids [1, warmup + n] (see the module docstring; warmup, n: lengths)
-    -> {tokens, warmup, kl, agreement, baseline, baseline_kl, baseline_agreement}."""
+    -> {tokens, warmup, kl, agreement, baseline, baseline_kl, baseline_agreement}. prefix: the artifact's stored
+    prefix rows, which the served cache reads; model_prefix: the model's own rows for prefix.ids, which the baseline
+    reads (None: computed here)."""
     if ids.shape[1] <= warmup:
         raise ValueError(f"the canary needs more than {warmup} tokens (the warm-up), got {ids.shape[1]}")
     ref = reference_logprobs(model, ids, None if prefix is None else prefix["ids"])[warmup:]
     kl, agree = kl_and_agreement(ref, served_logprobs(model, policy, ids, warmup, prefix))
-    # the reference baseline's prefix rows are the model's own (prefix None: computed from prefix_ids)
-    base_kl, base_agree = kl_and_agreement(ref, served_logprobs(model, baseline_policy(policy), ids, warmup, None),
-                                           "baseline_")
+    # the reference baseline's prefix rows are the model's own (model_prefix None: computed from prefix_ids)
+    base_kl, base_agree = kl_and_agreement(
+        ref, served_logprobs(model, baseline_policy(policy), ids, warmup, model_prefix), "baseline_")
     return {"tokens": ids.shape[1] - warmup, "warmup": warmup, "kl": kl, "agreement": agree,
             "baseline": BASELINE, "baseline_kl": base_kl, "baseline_agreement": base_agree}
 
