@@ -406,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
                     "model.path=...); for --tiny: model.source=tiny")
     ap.add_argument("--cases", nargs="*", default=None, help="only these cases")
     ap.add_argument("--poisons", action="store_true", help="also the graded poisons with their served perplexity")
+    ap.add_argument("--poison-cases", nargs="*", default=None, help="only these poisons (e.g. the ones check "
+                    "passed, measured again on more windows)")
+    ap.add_argument("--served", choices=("all", "passing"), default="all", help="serve every poison, or only the "
+                    "ones check passes (the worst passing one is the figure; the protocol's windows cost)")
     ap.add_argument("--text", default=None, help="evaluation text for the poisons (default: the embedded text)")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=512)
@@ -428,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"artifact": str(src), "recipe": manifest["recipe"], "model": manifest["model"]["name"],
                      "cases": rows}
             if args.poisons:
-                prows = judge(src, POISONS, work / src.parent.name, user_args, log=lambda m: print(m, flush=True))
-                names = ["honest", *(r["case"] for r in prows if r["applies"])]
+                chosen = [p for p in POISONS if args.poison_cases is None or p.name in args.poison_cases]
+                prows = judge(src, chosen, work / src.parent.name, user_args, log=lambda m: print(m, flush=True))
+                names = ["honest", *(r["case"] for r in prows
+                                     if r["applies"] and (args.served == "all" or r["exit"] == 0))]
                 from pipeline.check import model_config_for
                 from pipeline.model import load_model
 
@@ -456,9 +462,15 @@ def main(argv: list[str] | None = None) -> int:
                               f"[{ci[0]:.4f}, {ci[1]:.4f}] {100 * rel:>+9.2f}%")
                         if r["exit"] == 0:
                             passed_worst = max(passed_worst, rel)
+                    elif r["case"] not in names:
+                        print(f"  {r['case']:<22} {'FAIL' if r['exit'] else 'pass':>6}  not served (--served passing)")
                     else:
                         print(f"  {r['case']:<22} {'FAIL' if r['exit'] else 'pass':>6}  refused at load")
-                print(f"  worst poison check passes: {100 * passed_worst:+.2f}% perplexity beyond the honest artifact")
+                if any(r["applies"] and r["exit"] == 0 for r in prows):
+                    print(f"  worst poison check passes: {100 * passed_worst:+.2f}% perplexity beyond the honest "
+                          f"artifact")
+                else:
+                    print("  no poison passes check")
                 entry.update(poisons=prows, honest_ppl_ratio=ratios["honest"], worst_passed=passed_worst)
             bad += sum(not r["ok"] for r in rows if r["applies"])
             bad += sum(r.get("exit") == 5 for r in entry.get("poisons", []))

@@ -578,11 +578,13 @@ def check_values(manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
 def model_json(spec) -> dict:
     """The manifest's `model` field for a pipeline.model.ModelSpec (written at export, compared at load). A model
     with sliding-window (local) layers also has `attention` {layer_types, sliding_window} and `rope.local` {theta,
-    scaling}, the RoPE of its local layers; one without has neither (every layer global, one RoPE)."""
+    scaling}, the RoPE of its local layers; one without has neither (every layer global, one RoPE). `vocab_size`
+    (the logits' width) lets a reader judge the recorded evaluation without the model (pipeline.sanity: a reference
+    perplexity near it is a model predicting at chance); artifacts made before it lack it."""
     out = {"name": spec.name, "architecture": spec.architecture, "n_layers": spec.n_layers,
            "n_q_heads": spec.n_q_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
            "rope": {"theta": spec.rope_theta, "scaling": json.loads(spec.rope_scaling), "pairing": spec.rope_pairing},
-           "max_positions": spec.max_positions, "sha256": spec.model_sha256}
+           "max_positions": spec.max_positions, "vocab_size": spec.vocab_size, "sha256": spec.model_sha256}
     layer_types = list(getattr(spec, "layer_types", ()) or ())
     if layer_types:
         out["attention"] = {"layer_types": layer_types, "sliding_window": spec.sliding_window}
@@ -598,10 +600,12 @@ def tokenizer_json(spec) -> dict:
 
 def check_model(manifest: dict, spec) -> None:
     """The served model is the one calibrated: weights, shapes, RoPE (theta, scaling, pairing), positions,
-    architecture and tokenizer; the model's name and where it was loaded from (model.source) may differ."""
+    vocabulary size (where recorded: artifacts made before it lack it), architecture and tokenizer; the model's name
+    and where it was loaded from (model.source) may differ."""
     recorded = {"model": {k: v for k, v in manifest["model"].items() if k != "source"},
                 "tokenizer": manifest["tokenizer"]}
-    served = {"model": {**{k: v for k, v in model_json(spec).items() if k != "source"},
+    unrecorded = {"source"} | ({"vocab_size"} - set(manifest["model"]))
+    served = {"model": {**{k: v for k, v in model_json(spec).items() if k not in unrecorded},
                         "name": manifest["model"]["name"]}, "tokenizer": tokenizer_json(spec)}
     if found := json_difference(recorded, served, ""):
         path, ours, theirs = found

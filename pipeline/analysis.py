@@ -66,14 +66,16 @@ def write_report(run_dir: Path, summary: dict, target: CachePolicy, spec, exampl
              f"Data: {summary['data']['description']}; calibration {summary['data']['n_samples']} x "
              f"{summary['data']['seq_len']} tokens, evaluation {summary['data']['eval_n_samples']} x "
              f"{summary['data']['eval_seq_len']} tokens.", ""]
+    for warning in summary.get("sanity", {}).get("warnings", []):  # the model's own (pipeline.sanity), above the figures
+        lines += [f"**Warning:** {warning}", ""]
     if recipes:
         ppl_vs_bits(recipes, run_dir / "frontier.png")
         lines += ["## Quality per bit (same windows, one run)", "", "![frontier](frontier.png)", "", "```",
-                  evaluate.table(recipes), "```", ""]
+                  evaluate.table(recipes, n_windows=summary.get("evaluation", {}).get("windows")), "```", ""]
         long = summary.get("evaluation_long")
         if long:
             lines += [f"## At long context ({long['windows']} windows x {long['seq_len']} tokens, evaluate-long)", "",
-                      "```", evaluate.table(long["recipes"]), "```", ""]
+                      "```", evaluate.table(long["recipes"], n_windows=long["windows"]), "```", ""]
         from pipeline.recommend import VLLM_FORMATS, format_recommendation, recommend
         if any(name in recipes and name != "fp16" for name in VLLM_FORMATS):
             lines += ["## Serving through vLLM (`python -m pipeline recommend`)", ""]

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from exporters.checksums import sha256_file, sha256_json
 from exporters.native import update_manifest
-from pipeline import analysis, faults
+from pipeline import analysis, faults, sanity
 from pipeline.config import QuantConfig, RunConfig, validate_run
 from pipeline.data import build_windows
 from pipeline.errors import GateError, RuntimeCheckError, UserError
 from pipeline.export import CHECKPOINT_DIR, export, servable, write_vllm_checkpoint
 from exporters.files import atomic_write_json
 from pipeline.model import LoadedModel, load_model, source_directory
-from pipeline.runner import Runner, peak_rss_mb
+from pipeline.runner import Runner, Usage, peak_rss_mb
 from stages import (codebooks, engine_cache, evaluate, evaluate_long, fisher, key_scales, layer_policy, outliers, prefix_tokens,
                     probes, recipe, sensitivity, smooth_attention, traces)
 from stages.base import Bound, Context, StageResult
@@ -110,15 +110,19 @@ def model_identity(lm: LoadedModel) -> str:
 def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool = True) -> dict:
     start = time.perf_counter()
     recipes = validate_run(cfg)  # every config refused before anything loads
-    lm = load_model(cfg.model)
+    with Usage() as loading:
+        lm = load_model(cfg.model)
     for q in recipes:
         if q.engine.library:
             engine_cache.check_model(q.name, lm.spec.name, lm.spec.layer_types)
     if any(q.prefix for q in recipes) and lm.spec.bos_token_id is None:
         raise UserError(f"quant.prefix=true: the tokenizer of model {lm.spec.name} has no BOS token "
                         f"(bos_token_id is None), and the prefix ends in BOS")
-    windows = build_windows(cfg.data, lm.tokenizer)
+    with Usage() as windowing:
+        windows = build_windows(cfg.data, lm.tokenizer)
     runner = Runner(cfg.cache_dir, model_identity(lm), windows.data_id, log=log, show_progress=show_progress)
+    runner.add_step("load model", loading, runner.model_id)
+    runner.add_step("windows", windowing, sha256_json([runner.model_id, windows.data_id]))
     ctx = Context(lm.model, lm.spec, lm.tokenizer, windows.calib, windows.eval, windows.long)
     results: dict[str, StageResult] = runner.run(stage_graph(cfg, recipes), ctx)
     calib_wall = sum(r.wall_s for r in runner.records if r.name.split("-")[0] in CALIBRATION_STAGES)
@@ -151,6 +155,7 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         summary["mixed"] = {"layer_policy": mixed["layer_policy"], "recipe": mixed["recipe"]}
         summary["evaluation"]["recipes"][target.name] = mixed["recipe"]
     if "evaluate" in results:
+        summary["sanity"] = {"warnings": sanity.run_warnings(summary)}  # the model's own: does it predict at all?
         summary["drift"] = analysis.drift(cfg, results, target)
     if cfg.export.enabled:
         provenance = {"data": summary["data"],
@@ -159,12 +164,16 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         if cfg.quant.prefix and "prefix_tokens" in results:  # the full-precision prefix K/V ship with the artifact
             pt = results["prefix_tokens"].tensors
             prefix = {"token_ids": pt["ids"].tolist(), "k": pt["k_post"], "v": pt["v"]}
-        summary.update(export(run_dir, target, lm.spec, provenance,
-                              summary.get("evaluation", {}).get("recipes", {}), prefix=prefix,
-                              overwrite=cfg.export.overwrite))
+        # the steps' times are recorded under what they depend on: the run's stages (their keys) and their config
+        inputs = sha256_json({"stages": runner.keys, "export": cfg.export, "check": cfg.check})
+        with runner.step("export", inputs):
+            summary.update(export(run_dir, target, lm.spec, provenance,
+                                  summary.get("evaluation", {}).get("recipes", {}), prefix=prefix,
+                                  overwrite=cfg.export.overwrite))
         if cfg.check.enabled:  # kernel vs oracle on the exported artifact; the manifest records the outcome
             from pipeline.check import run_check
-            summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log)
+            summary["runtime_check"] = run_check(summary["artifact_dir"], lm, cfg.check, log=log,
+                                                 timer=lambda name: runner.step(name, inputs))
         if "gate" in summary.get("drift", {}):
             faults.point("export.before_update_manifest")
             update_manifest(summary["artifact_dir"], gate=summary["drift"]["gate"])
@@ -174,22 +183,33 @@ def run_pipeline(cfg: RunConfig, run_dir: Path, log=print, show_progress: bool =
         # wrote their records into it above; nothing writes it after this)
         summary["manifest"]["sha256"] = sha256_file(Path(summary["artifact_dir"]) / "manifest.json")
         if cfg.export.vllm and servable(target) and served_ok:  # a folder ready to serve: only what passed
-            checkpoint = write_vllm_checkpoint(run_dir / CHECKPOINT_DIR, Path(summary["artifact_dir"]), lm,
-                                               source_directory(cfg.model), overwrite=cfg.export.overwrite)
+            with runner.step("vllm folder", inputs):
+                checkpoint = write_vllm_checkpoint(run_dir / CHECKPOINT_DIR, Path(summary["artifact_dir"]), lm,
+                                                   source_directory(cfg.model), overwrite=cfg.export.overwrite)
             summary["vllm_checkpoint_dir"] = str(checkpoint.resolve())
     if "evaluate" in results:
-        examples = analysis.changed_examples(lm, windows.eval[0], target)
-        summary["report"] = str(analysis.write_report(run_dir, summary, target, lm.spec, examples))
+        with runner.step("report", sha256_json({"stages": runner.keys})):
+            examples = analysis.changed_examples(lm, windows.eval[0], target)
+            summary["report"] = str(analysis.write_report(run_dir, summary, target, lm.spec, examples))
     summary["stages"] = [dict(r.__dict__) for r in runner.records]  # with the stages run after calibration
+    summary["steps"] = [dict(r.__dict__) for r in runner.steps]    # the timed parts that are not cached stages
+    summary["wall_s"] = time.perf_counter() - start
+    busy = runner.busy_note()
+    if busy:
+        summary["busy"] = busy
     faults.point("summary.before_write")
     atomic_write_json(run_dir / "summary.json", summary)
     log(runner.table())
+    if busy:
+        log(busy)
+    for warning in summary.get("sanity", {}).get("warnings", []):  # above the figures it puts in doubt
+        log(f"warning: {warning}")
     if "evaluation" in summary:
-        log(evaluate.table(summary["evaluation"]["recipes"]))
+        log(evaluate.table(summary["evaluation"]["recipes"], n_windows=summary["evaluation"]["windows"]))
     if "evaluation_long" in summary:
         ev = summary["evaluation_long"]
         log(f"long context: {ev['windows']} windows x {ev['seq_len']} tokens")
-        log(evaluate.table(ev["recipes"]))
+        log(evaluate.table(ev["recipes"], n_windows=ev["windows"]))
     if "evaluation_llamacpp" in summary:
         from pipeline.llamacpp import table as llamacpp_table
         ev = summary["evaluation_llamacpp"]
@@ -215,14 +235,14 @@ def next_steps(summary: dict, policy, run_dir: Path, cfg: RunConfig) -> str:
     """What to do with the run's artifact, printed at the end of a run: check it again, serve it in Python, serve it
     with vLLM (the folder the run wrote, the packed folder export-vllm writes, or why vLLM cannot and the nearest
     recipes it can), pick a vLLM cache dtype, browse the run in MLflow. Paths are the run's own."""
+    import shlex
+
     from exporters.compressed_tensors import CheckpointError, checkpoint_kind
     from pipeline.export import nearest_vllm_recipes
+    from pipeline.model import model_arguments
 
     artifact = summary["artifact_dir"]
-    source = summary["model"].get("source") or {}
-    model_args = f"model={source.get('config', cfg.model.name)}"
-    if source.get("kind") == "local":
-        model_args += f" model.path={source['path']}"
+    model_args = shlex.join(model_arguments(summary["model"].get("source"), cfg.model.name))
     lines = ["next steps:",
              f"  check it again (never modifies it):  kvcalib check {artifact}",
              f"  serve it in Python:                  from serving import load_artifact, generate   "

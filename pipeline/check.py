@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 from pipeline.check_config import CheckConfig, validate_check_options
 from pipeline.errors import (EXIT_CHECK_FAILED, EXIT_OK, EXIT_USER, MAX_REFUSAL_CHARS, RuntimeCheckError, UserError,
@@ -165,7 +166,8 @@ def eval_ids(tokenizer, n_windows: int, length: int) -> torch.Tensor:
 
 def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | None = None,
               kernel: Callable | None = None, write: bool = True, log: Callable[[str], None] = print,
-              model_overrides: list[str] | None = None, model_name: str | None = None) -> dict:
+              model_overrides: list[str] | None = None, model_name: str | None = None,
+              timer: Callable[[str], ContextManager] | None = None) -> dict:
     """Kernel vs oracle on real K/V of the model the artifact names -> the runtime_check record. write=True (the
     run, on the artifact it is still writing) also records it in the manifest; `python -m pipeline check` passes
     write=False and never changes an artifact (main writes the record beside it). The artifact is read and verified
@@ -175,12 +177,14 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     tests pass a faulty one. write=False (`check`): the model is model_config_for's (model_name: the user's
     `model=NAME`), its weights' sha256 must be the artifact's (cfg.allow_other_model: a deliberate transfer,
     recorded), the canary the artifact claims is required and re-measured (cfg.allow_unclaimed), and the record names
-    the model judged on (`judged_on`)."""
+    the model judged on (`judged_on`). timer(name): a context manager timing each part ("load model", "runtime
+    check", "quality canary"; the run passes Runner.step, `check` prints its own table)."""
     from exporters.compressed_tensors import is_checkpoint
     from exporters.native import load_artifact, update_manifest
 
     native = ensure_backend()  # Triton's interpreter chosen before anything imports triton
     cfg = cfg or CheckConfig()
+    timer = timer or (lambda name: nullcontext())
     contexts = list(cfg.gpu_contexts if native else cfg.contexts)
     batches = list(cfg.batches)
     validate_check_options(contexts, batches, None, cfg.canary_tokens, cfg.max_kl, cfg.min_top1)  # before any load
@@ -191,7 +195,8 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
         from pipeline.model import load_model
         model_cfg = model_config_for(artifact.manifest, model_overrides, model_name)
         refuse_malformed_model_config(model_cfg)
-        model_bundle = load_model(model_cfg)
+        with timer("load model"):
+            model_bundle = load_model(model_cfg)
     other_model = bind_model(artifact.manifest, model_bundle.spec, cfg.allow_other_model)
 
     import triton
@@ -217,31 +222,33 @@ def run_check(artifact_dir: str | Path, model_bundle=None, cfg: CheckConfig | No
     log(f"  judged on: {judged_on(model_bundle.spec)}"
         + ("; ANOTHER model than calibrated (allow_other_model=true)" if other_model else ""))
     cases, timing, error = [], {"kernel_s": 0.0, "oracle_s": 0.0}, None
-    for t in contexts:
-        for b in batches:
-            by_kernel = {}
-            try:
-                for name, fn in kernels.items():
-                    by_kernel[name] = check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, fn,
-                                                 timing)
-            except KernelFailed as exc:
-                error = f"context {t}, batch {b}, {name} kernel: {exc}"
+    with timer("runtime check"):
+        for t in contexts:
+            for b in batches:
+                by_kernel = {}
+                try:
+                    for name, fn in kernels.items():
+                        by_kernel[name] = check_case(model_bundle, artifact.policy, windows[:b, : t + 1], prefix, fn,
+                                                     timing)
+                except KernelFailed as exc:
+                    error = f"context {t}, batch {b}, {name} kernel: {exc}"
+                    break
+                worst = max(by_kernel.values(), key=lambda c: (not c["ok"], c["max_rel_err"]))
+                case = {k: worst[k] for k in ("max_abs_err", "max_rel_err", "worst_layer")}
+                case["ok"] = all(c["ok"] for c in by_kernel.values())
+                cases.append({"context": t, "batch": b, **case, "kernels": by_kernel})
+                for name, c in by_kernel.items():
+                    log(f"  context {t:>6} batch {b} {name:>6}: max_abs_err {c['max_abs_err']:.3e} max_rel_err "
+                        f"{c['max_rel_err']:.3e} (layer {c['worst_layer']}) {'ok' if c['ok'] else 'FAILED'}")
+            if error:
                 break
-            worst = max(by_kernel.values(), key=lambda c: (not c["ok"], c["max_rel_err"]))
-            case = {k: worst[k] for k in ("max_abs_err", "max_rel_err", "worst_layer")}
-            case["ok"] = all(c["ok"] for c in by_kernel.values())
-            cases.append({"context": t, "batch": b, **case, "kernels": by_kernel})
-            for name, c in by_kernel.items():
-                log(f"  context {t:>6} batch {b} {name:>6}: max_abs_err {c['max_abs_err']:.3e} max_rel_err "
-                    f"{c['max_rel_err']:.3e} (layer {c['worst_layer']}) {'ok' if c['ok'] else 'FAILED'}")
-        if error:
-            break
     canary = None
     if cfg.canary_tokens and error is None:
         judged = not write and not other_model  # `check` judges the claim; a run is measuring it
         try:
-            canary = quality_canary(artifact, model_bundle, cfg, log, judge_claim=judged,
-                                    require_claim=judged and not cfg.allow_unclaimed, claims=not write)
+            with timer("quality canary"):
+                canary = quality_canary(artifact, model_bundle, cfg, log, judge_claim=judged,
+                                        require_claim=judged and not cfg.allow_unclaimed, claims=not write)
         except CanaryCannotRun as exc:
             error = str(exc)
     elif not cfg.canary_tokens:
@@ -398,9 +405,34 @@ checksums) before the model loads, and is never modified.
                            transfer; printed in the verdict; the claims are then shown, not judged)
   --out FILE               where the record (JSON) goes; default ARTIFACT.check.json beside the folder
 
-exit codes: 0 passed, 1 failed, 2 refused (artifact, model or option)
+exit codes: 0 passed, 1 failed, 2 refused (artifact, model or option), 130 interrupted (Ctrl-C)
 example: {prog} check outputs/2026-12-05/01-16-29/artifact
 """
+
+
+class Parts:
+    """Where `check`'s time goes: each part run_check times (the model's load, the runtime check, the canary) with
+    other processes' share of the CPUs meanwhile (pipeline.runner.Usage), printed in one line, and the busy
+    machine said (pipeline.runner.busy_line)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[str, object]] = []
+
+    @contextmanager
+    def part(self, name: str):
+        from pipeline.runner import Usage
+
+        with Usage() as use:
+            yield
+        self.parts.append((name, use))
+
+    def line(self) -> str:
+        from pipeline.runner import busy_line
+
+        total = sum(u.wall_s for _, u in self.parts)
+        out = "time: " + ", ".join(f"{n} {u.wall_s:.1f} s" for n, u in self.parts) + f" (timed total {total:.1f} s)"
+        busy = busy_line([(u.wall_s, u.others_cpu) for _, u in self.parts])
+        return out + (f"\n{busy}" if busy else "")
 
 
 def main(args: list[str]) -> int:
@@ -427,6 +459,7 @@ def main(args: list[str]) -> int:
         print(f"error: {shown(exc, MAX_REFUSAL_CHARS)}", file=sys.stderr)
         return EXIT_USER
     directory = args[0]
+    timed = Parts()
     model_overrides = [a for a in rest if a.startswith("model.")]
     names = [a.removeprefix("model=") for a in rest if a.startswith("model=")]
     overrides = [a.removeprefix("check.") for a in rest if not a.startswith(("model.", "model="))]
@@ -444,7 +477,7 @@ def main(args: list[str]) -> int:
                 raise UserError(f"model={names[0]!r}: allowed one of {model_names()} (conf/model/<name>.yaml), or "
                                 f"model.path=FOLDER for a model folder")
         result = run_check(directory, cfg=cfg, write=False, model_overrides=model_overrides,
-                           model_name=names[0] if names else None)
+                           model_name=names[0] if names else None, timer=timed.part)
     except OmegaConfBaseException as exc:
         print(f"error: invalid check option: {exc}", file=sys.stderr)
         return EXIT_USER
@@ -453,6 +486,7 @@ def main(args: list[str]) -> int:
         return EXIT_USER
     target = out or result_path(directory)
     atomic_write_json(target, result)
+    print(timed.line())
     print(f"check record: {target}")
     return EXIT_OK if result["status"] == "passed" else EXIT_CHECK_FAILED
 

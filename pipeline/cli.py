@@ -6,7 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline.errors import EXIT_CHECK_FAILED, EXIT_GATE, EXIT_INTERNAL, EXIT_OK, EXIT_UNREACHABLE, EXIT_USER
+from pipeline.errors import (EXIT_CHECK_FAILED, EXIT_GATE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK,
+                             EXIT_UNREACHABLE, EXIT_USER)
 
 USAGE = """usage: {prog} <command> [arguments]
 
@@ -42,23 +43,54 @@ def main(argv: list[str] | None = None) -> None:
     if "-h" in rest or "--help" in rest:  # before the command imports, loads or creates anything
         print(command_help(command))
         sys.exit(EXIT_OK)
+    try:
+        code = _command(command, rest)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not Python's traceback
+        code = interrupted(command, rest)
+    sys.exit(code)
+
+
+def _command(command: str, rest: list[str]) -> int:
+    """Run one command (its arguments `rest`) -> its exit code (pipeline/errors.py)."""
     if command == "run":
         refused = refuse_unusable_paths(command, rest)
         if refused is not None:
-            sys.exit(refused)
+            return refused
         sys.argv = [sys.argv[0], *rest]
-        sys.exit(_hydra_run())
+        return _hydra_run()
     if not rest:
         print(f"error: `{command}` needs a DIR argument", file=sys.stderr)
-        sys.exit(EXIT_USER)
+        return EXIT_USER
     refused = refuse_unusable_paths(command, rest)
     if refused is not None:
-        sys.exit(refused)
+        return refused
     try:
-        code = {"show": _show, "check": _check, "export-vllm": _export_vllm, "recommend": _recommend}[command](rest)
+        return {"show": _show, "check": _check, "export-vllm": _export_vllm, "recommend": _recommend}[command](rest)
     except Exception as exc:  # noqa: BLE001 -- what no handler expected is a bug: its own code, never EXIT_USER's
-        code = internal_error(exc)
-    sys.exit(code)
+        return internal_error(exc)
+
+
+# what an interrupted command leaves, and what the same command line does again (the line `interrupted` prints)
+INTERRUPTED = {
+    "run": "finished stages are kept: the same command resumes",
+    "check": "the artifact is unchanged and no check record was written: the same command checks it again",
+    "show": "nothing was changed: the same command shows it again",
+    "export-vllm": "no partial OUT folder is left (it is written whole or not at all): the same command exports it",
+    "recommend": "nothing was changed: the same command recommends again",
+}
+
+
+def interrupted(command: str, args: list[str]) -> int:
+    """Ctrl-C (KeyboardInterrupt) during `command`: EXIT_INTERRUPTED, with one line on stderr saying what is kept
+    and the user's own command line, quoted as a shell reads it, that takes it up again. By then the command's own
+    cleanup has run as the exception passed: `run`'s MLflow run is marked KILLED (pipeline.tracking.tracked_run),
+    its finished stages are in the stage cache (pipeline/runner.py) and a second run reuses them; export-vllm's
+    temporary folder is removed (pipeline.export.write_vllm_checkpoint); check writes its record only at its end."""
+    import shlex
+
+    again = " ".join([prog(), *(shlex.quote(a) for a in [command, *args])])
+    print(f"interrupted; {INTERRUPTED[command]}: {again}", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 # each command's positional arguments as its usage names them; the options whose next argument is their value
@@ -131,7 +163,8 @@ stages), read through the strict loader; or, given an MLflow run id, that run's 
   tracking.uri=URI   the MLflow store to read RUN_ID from (default: $MLFLOW_TRACKING_URI, else
                      sqlite:///mlruns.db in the working folder)
 
-exit codes: 0 shown, 2 refused (no such artifact or run), 3 the tracking store could not be reached
+exit codes: 0 shown, 2 refused (no such artifact or run), 3 the tracking store could not be reached,
+130 interrupted (Ctrl-C)
 example: {prog} show outputs/2026-12-05/01-16-29/artifact
 """
 
@@ -156,6 +189,8 @@ options:
   --cfg job        print the composed config (every value) instead of running
   --hydra-help     Hydra's own options (--info, --config-dir, ...)
 
+exit codes: 0 done, 1 runtime check failed, 2 refused, 3 tracking store unreachable, 4 drift gate failed, 5 a bug,
+130 interrupted (Ctrl-C: finished stages are kept, the same command resumes); README.md "Exit codes"
 example: {prog} run model=llama3 model.path=/path/to/your/model quant=kvquant-4b-1pct data.n_samples=8
 """
 
@@ -174,24 +209,52 @@ def command_help(command: str) -> str:
 
 
 def run_help() -> str:
-    """RUN_USAGE with the config groups' options (conf/) and the schema's keys (pipeline/preflight.py)."""
+    """RUN_USAGE with the config groups' options (conf/) and the schema's keys (pipeline/preflight.py). A group of
+    more options than a refusal lists (preflight.LISTED_AT_MOST: the recipes, which a misspelled quant= points
+    here for) is printed a family to a line (option_families)."""
     import textwrap
 
     from pipeline import preflight
 
-    def block(label: str, items: list[str]) -> str:
-        return textwrap.fill(", ".join(items), width=116, initial_indent=f"  {label:<15}",
+    def block(label: str, items: list[str], indent: int = 2) -> str:
+        return textwrap.fill(", ".join(items), width=116, initial_indent=" " * indent + f"{label:<{17 - indent}}",
                              subsequent_indent=" " * 17, break_on_hyphens=False, break_long_words=False)
+
+    def group(name: str) -> str:
+        options = [o + ("*" if defaults.get(name) == o else "") for o in preflight.group_options(name)]
+        if len(options) <= preflight.LISTED_AT_MOST:
+            return block(f"{name}=", options)
+        return "\n".join([f"  {name + '=':<15}{len(options)} options, by family:"]
+                         + [block(family, names, indent=4) for family, names in option_families(options).items()])
 
     defaults = preflight.default_options()
     order = [g for g in defaults if g in preflight.groups()] + [g for g in preflight.groups() if g not in defaults]
-    groups = [block(f"{g}=", [o + ("*" if defaults.get(g) == o else "") for o in preflight.group_options(g)])
-              for g in order]
+    groups = [group(g) for g in order]
     schema = preflight.schema()
     keys = [block(f"{name}.", [k + (".*" if sub.children else "") for k, sub in key.children.items()])
             for name, key in schema.items() if key.children]
     keys.append(block("(top level)", [name for name, key in schema.items() if not key.children]))
     return RUN_USAGE.format(prog=prog(), groups="\n".join(groups), keys="\n".join(keys))
+
+
+def option_families(options: list[str]) -> dict[str, list[str]]:
+    """A long option list grouped for reading, in its order: by the name's first word without its digits (fp16 and
+    fp8-e4m3: fp; int2-token: int; vllm-*, hf-*, kivi-*); a family itself longer than preflight.LISTED_AT_MOST
+    split again by the second word (kvquant: kvquant-2b, kvquant-4b, kvquant-k3v4, ...)."""
+    from pipeline.preflight import LISTED_AT_MOST
+
+    def words(name: str) -> list[str]:
+        return name.split("+")[0].split("-")
+
+    first: dict[str, list[str]] = {}
+    for name in options:
+        first.setdefault(re.sub(r"\d.*", "", words(name)[0]) or words(name)[0], []).append(name)
+    out: dict[str, list[str]] = {}
+    for family, names in first.items():
+        for name in names:
+            split = len(names) > LISTED_AT_MOST and len(words(name)) > 1
+            out.setdefault(f"{family}-{words(name)[1]}" if split else family, []).append(name)
+    return out
 
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")   # an MLflow run id: uuid4().hex, as `run` prints it (mlflow: run RUN_ID)

@@ -29,7 +29,8 @@ from stages.traces import TracesConfig
 from pipeline.check_config import CheckConfig, validate_check_options  # the runtime check's options
 from pipeline.errors import UserError
 from pipeline.llamacpp_config import LlamaCppConfig, validate as validate_llamacpp
-from pipeline.preflight import check_data_path, check_model_path, nearest, unknown_key_message
+from pipeline.preflight import (LISTED_AT_MOST, RUN_HELP, check_data_path, check_model_path, nearest,
+                                unknown_key_message)
 
 
 @dataclass
@@ -164,9 +165,13 @@ def _load_group(group: str, name: str, schema: type, what: str):
     """A `conf/GROUP/NAME.yaml` file as a typed `schema` dataclass (the same file Hydra reads for GROUP=NAME)."""
     path = CONF_DIR / group / f"{name}.yaml"
     if not path.is_file():
-        near = nearest(name, _group_names(group))
+        names = _group_names(group)
+        near = nearest(name, names)
         mean = f"; did you mean {' or '.join(near)}?" if near else ""
-        raise UserError(f"{what} must be one of {_group_names(group)}, got {name!r}{mean}")
+        # a long list (the recipes) is pointed to, not printed after the suggestion it would bury (preflight.listing)
+        allowed = (names if len(names) <= LISTED_AT_MOST
+                   else f"the {len(names)} of conf/{group}/ (`{RUN_HELP}` lists them)")
+        raise UserError(f"{what} must be one of {allowed}, got {name!r}{mean}")
     obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
     assert isinstance(obj, schema)
     return obj

@@ -1,4 +1,7 @@
-"""Text -> token windows. Calibration and evaluation windows always come from disjoint text.
+"""Text -> token windows. Calibration and evaluation windows always come from disjoint text: one text (data=embedded,
+or data=local given one file) is cut in halves at its middle line, the first for calibration and the second for
+evaluation; a folder gives a file for each, the hub a split for each. A split too short for its windows is refused
+naming which split, the tokens it holds and needs, and (halves) that the text was cut in two (split_text).
 
 Calibration: `n_samples` non-overlapping windows of `seq_len` tokens drawn at random slots (seeded).
 Evaluation: the first `eval_n_samples` consecutive non-overlapping windows of the evaluation text.
@@ -54,6 +57,20 @@ def text_file(cfg: DataConfig, calibration: bool) -> Path:
         return Path(importlib.util.find_spec("pydoc_data.topics").origin)
     path = Path(cfg.path).expanduser()
     return path / (cfg.calib_file if calibration else cfg.eval_file) if path.is_dir() else path
+
+
+def split_text(cfg: DataConfig, calibration: bool) -> tuple[str, str]:
+    """(the text the calibration (or evaluation) windows are cut from, how it came to be that text), as a refusal
+    says them: the calibration or evaluation half of one text (data=embedded, and data=local given one file:
+    load_texts cuts it in halves at its middle line), a folder's calib_file / eval_file, or a hub split."""
+    what = "calibration" if calibration else "evaluation"
+    if cfg.source == "hub":
+        return f"the {what} split {cfg.calib_split if calibration else cfg.eval_split!r} of {cfg.hub_name}", ""
+    path = text_file(cfg, calibration)
+    if cfg.source == "local" and Path(cfg.path).expanduser().is_dir():
+        return f"the {what} file {str(path)!r} (data.{'calib_file' if calibration else 'eval_file'})", ""
+    return (f"the {what} half of {str(path)!r}", f"data={cfg.source} cuts its text in halves at the middle line, the "
+            f"first for calibration and the second for evaluation, so each half must hold its own windows")
 
 
 def load_texts(cfg: DataConfig) -> tuple[str, str, str]:
@@ -112,22 +129,31 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
-def random_windows(ids: torch.Tensor, n: int, seq_len: int, seed: int, what: str = "calibration") -> torch.Tensor:
+def _too_short(ids: torch.Tensor, n: int, seq_len: int, what: str, text: tuple[str, str], fields: str) -> UserError:
+    """The refusal of a text too short for n windows of seq_len tokens: which text and why it is that text
+    (split_text), the tokens it has and needs, and the fields that ask for them."""
+    name, why = text
+    return UserError(f"asked for {n} {what} windows of {seq_len} tokens ({n * seq_len} tokens), but {name} holds only "
+                     f"{ids.numel() // seq_len} ({ids.numel()} tokens){f': {why}' if why else ''}; lower {fields}, "
+                     f"or give more text")
+
+
+def random_windows(ids: torch.Tensor, n: int, seq_len: int, seed: int, what: str = "calibration",
+                   text: tuple[str, str] = ("the text", ""), fields: str = "n_samples or seq_len") -> torch.Tensor:
     """n non-overlapping windows at seeded random slots. [n, seq_len]"""
     slots = ids.numel() // seq_len
     if n > slots:
-        raise UserError(f"asked for {n} {what} windows of {seq_len} tokens, but the text holds only {slots} "
-                        f"({ids.numel()} tokens); lower n_samples or seq_len, or give more text")
+        raise _too_short(ids, n, seq_len, what, text, fields)
     order = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:n]
     return ids[: slots * seq_len].view(slots, seq_len)[order].clone()
 
 
-def consecutive_windows(ids: torch.Tensor, n: int, seq_len: int, what: str = "evaluation") -> torch.Tensor:
+def consecutive_windows(ids: torch.Tensor, n: int, seq_len: int, what: str = "evaluation",
+                        text: tuple[str, str] = ("the text", ""),
+                        fields: str = "the number of windows or seq_len") -> torch.Tensor:
     """The first n consecutive non-overlapping windows. [n, seq_len]"""
-    slots = ids.numel() // seq_len
-    if n > slots:
-        raise UserError(f"asked for {n} {what} windows of {seq_len} tokens, but the text holds only {slots} "
-                        f"({ids.numel()} tokens); lower the number of windows or seq_len, or give more text")
+    if n > ids.numel() // seq_len:
+        raise _too_short(ids, n, seq_len, what, text, fields)
     return ids[: n * seq_len].view(n, seq_len).clone()
 
 
@@ -151,13 +177,17 @@ def build_windows(cfg: DataConfig, tokenizer) -> Windows:
     calib_text, eval_text, description = load_texts(cfg)
     bos = leading_bos(tokenizer)
     text = 0 if bos is None else 1  # BOS takes a window's first position where the tokenizer wants it
-    calib = with_bos(random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len - text, cfg.seed), bos)
+    calib = with_bos(random_windows(tokenize(tokenizer, calib_text), cfg.n_samples, cfg.seq_len - text, cfg.seed,
+                                    text=split_text(cfg, True), fields="data.n_samples or data.seq_len"), bos)
     eval_ids = tokenize(tokenizer, eval_text)
-    evaluation = with_bos(consecutive_windows(eval_ids, cfg.eval_n_samples, cfg.eval_seq_len - text), bos)
+    evaluation = with_bos(consecutive_windows(eval_ids, cfg.eval_n_samples, cfg.eval_seq_len - text,
+                                              text=split_text(cfg, False),
+                                              fields="data.eval_n_samples or data.eval_seq_len"), bos)
     long = None
     if cfg.long_n_samples:
         long = with_bos(consecutive_windows(eval_ids, cfg.long_n_samples, cfg.long_seq_len - text,
-                                           "long-context evaluation (data.long_n_samples)"), bos)
+                                           "long-context evaluation (data.long_n_samples)", split_text(cfg, False),
+                                           "data.long_n_samples or data.long_seq_len"), bos)
     if bos is not None:
         description += f"; each window BOS ({bos}) + text"
     return Windows(calib=calib, eval=evaluation, description=description, long=long)

@@ -11,10 +11,13 @@ this table verbatim; tests/pipeline/test_cli.py checks that the two agree and ma
 | 3 | `EXIT_UNREACHABLE` | the MLflow tracking store could not be reached; the results are still written |
 | 4 | `EXIT_GATE` | the artifact crossed a drift-gate threshold; the results are still written |
 | 5 | `EXIT_INTERNAL` | an unexpected error (a bug, not bad input); the traceback is printed |
+| 130 | `EXIT_INTERRUPTED` | interrupted (Ctrl-C, SIGINT): one line says what is kept and the command that takes it up again (`run` resumes from its finished stages) |
 
 Which exception gives which code: RuntimeCheckError -> 1 (the manifest records the failed check); `user_errors()`
 -> 2 (exporters.errors.InputError, the one base of UserError, the stages' errors, exporters' CodecError and
-ManifestError; OmegaConf and Hydra config errors); TrackingError -> 3; GateError -> 4; anything else -> 5.
+ManifestError; OmegaConf and Hydra config errors); TrackingError -> 3; GateError -> 4; anything else -> 5;
+KeyboardInterrupt (Ctrl-C) -> 130, the shell's code for a process SIGINT ended (128 + 2), caught in pipeline/cli.py
+main for every subcommand.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ EXIT_USER = 2
 EXIT_UNREACHABLE = 3
 EXIT_GATE = 4
 EXIT_INTERNAL = 5
+EXIT_INTERRUPTED = 130   # 128 + SIGINT: what a shell reports for a command Ctrl-C stopped
 
 
 class UserError(InputError):
@@ -127,6 +131,6 @@ class RuntimeCheckError(Exception):
         self.result = result
 
 
-__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "EXIT_INTERNAL", "UserError",
-           "InputError", "user_errors", "refusal_text", "shown", "MAX_SHOWN_CHARS", "path_argument", "PATH_MAX",
-           "NAME_MAX", "GateError", "RuntimeCheckError"]
+__all__ = ["EXIT_OK", "EXIT_CHECK_FAILED", "EXIT_USER", "EXIT_UNREACHABLE", "EXIT_GATE", "EXIT_INTERNAL",
+           "EXIT_INTERRUPTED", "UserError", "InputError", "user_errors", "refusal_text", "shown", "MAX_SHOWN_CHARS",
+           "path_argument", "PATH_MAX", "NAME_MAX", "GateError", "RuntimeCheckError"]

@@ -38,25 +38,32 @@ recipes that are.
   --unchecked            export it although its runtime check did not run or failed (refused otherwise: run
                          `{prog} check ARTIFACT` first; its passing record, ARTIFACT.check.json, counts)
 
-exit codes: 0 written, 2 refused (artifact, recipe, unchecked artifact, model or arguments)
+exit codes: 0 written, 2 refused (artifact, recipe, unchecked artifact, model or arguments), 130
+interrupted (Ctrl-C: no partial OUT is left)
 example: {prog} export-vllm outputs/2026-12-05/01-16-29/artifact my-model-kvq4
 """
 
 
 def refuse_unservable(manifest: dict, policy) -> str:
     """The artifact's checkpoint kind ("fp8" | "packed"), or CheckpointError naming why vLLM cannot serve it and
-    the nearest recipes it can (pipeline.export.nearest_vllm_recipes), to re-run with."""
+    the nearest recipes it can (pipeline.export.nearest_vllm_recipes), to re-run with: the run command carries the
+    model the manifest records (model.source: pipeline.model.model_arguments, as the run's next steps print it)."""
+    import shlex
+
     from exporters.compressed_tensors import CheckpointError, checkpoint_kind
     from pipeline.export import nearest_vllm_recipes
+    from pipeline.model import model_arguments
 
     try:
         return checkpoint_kind(policy)
     except CheckpointError as exc:
         near = nearest_vllm_recipes(manifest["recipe"])
         hint = "; ".join(f"{name} ({kind})" for name, kind in near)
+        model = model_arguments(manifest["model"].get("source"))   # as the run was given it
+        again = shlex.join(["kvcalib", "run", *model, f"quant={near[0][0]}"])
         raise CheckpointError(f"{exc}. Nearest recipes vLLM serves: {hint} -- re-run with quant=<one of them> "
-                              f"(kvcalib run quant={near[0][0]} ...), or serve this artifact with kvcalib's own "
-                              f"cache: from serving import load_artifact, generate") from None
+                              f"({again}), or serve this artifact with kvcalib's own cache: from serving import "
+                              f"load_artifact, generate") from None
 
 
 def _check_record(beside: Path) -> dict | None:

@@ -102,10 +102,15 @@ def evaluate(cfg: LlamaCppConfig, model_cfg, windows: torch.Tensor, log=print) -
 
 
 def table(ev: dict) -> str:
-    head = f"{'cache type':<14}{'bits':>7}{'ppl':>10}{'ppl/f16':>9}  {'95% interval':<18}{'top1':>7}"
+    """llama.cpp's cache types on the run's windows, each interval as stages.evaluate.interval_text prints it."""
+    from stages.evaluate import interval_text
+
+    rows = sorted(ev["types"].items(), key=lambda kv: (-kv[1]["avg_bits"], kv[0]))
+    intervals = {name: interval_text(r["ppl_ratio_ci95"], ev.get("windows")) for name, r in rows}
+    span = max([18, *(len(i) + 2 for i in intervals.values())])
+    head = f"{'cache type':<14}{'bits':>7}{'ppl':>10}{'ppl/f16':>9}  {'95% interval':<{span}}{'top1':>7}"
     lines = [head, "-" * len(head)]
-    for name, r in sorted(ev["types"].items(), key=lambda kv: (-kv[1]["avg_bits"], kv[0])):
-        lo, hi = r["ppl_ratio_ci95"]
-        lines.append(f"{name:<14}{r['avg_bits']:7.3f}{r['ppl']:10.3f}{r['ppl_ratio']:9.4f}  [{lo:.4f}, {hi:.4f}]"
+    for name, r in rows:
+        lines.append(f"{name:<14}{r['avg_bits']:7.3f}{r['ppl']:10.3f}{r['ppl_ratio']:9.4f}  {intervals[name]:<{span}}"
                      f"{r['top1']:7.4f}")
     return "\n".join(lines)

@@ -170,7 +170,9 @@ def model_source(cfg: ModelConfig) -> dict:
     elif cfg.source == "gguf":
         path = str(Path(cfg.path).expanduser().resolve())
     elif cfg.source == "embedded" and cfg.embedded != "smollm2" and cfg.embedded in EMBEDDED_MODELS:
-        path = str(converted_model_dir(cfg.embedded))
+        from pipeline import convert
+
+        path = str(convert.converted_dir(cfg.embedded))  # where loading converts it to: nothing converted here
     return {"kind": kind, "path": path, "revision": revision, "config": cfg.name, "settings": asdict(cfg)}
 
 
@@ -185,6 +187,25 @@ def serve_path(source: dict | None) -> str | None:
     if source.get("kind") == "hub":
         return source["path"] or None
     return None
+
+
+def model_arguments(source: dict | None, default_config: str | None = None) -> list[str]:
+    """The `kvcalib run` arguments that load again the model a recorded model.source names (model_source; a
+    summary's or a manifest's): model=<its conf/model config> (default_config when the record names none), then
+    model.path=<the folder or hub id> for a model with files of its own (kind local, hub, gguf; an embedded package,
+    tiny and shape need none) and model.gguf_file= for a GGUF one. Unquoted: the caller quotes them for a shell.
+    The one definition behind every printed re-run command: the run's next steps (pipeline.app.next_steps),
+    export-vllm's refusal of a recipe vLLM cannot serve (pipeline.export_vllm.refuse_unservable) and recommend's
+    fp8 run (pipeline.recommend.rerun_command)."""
+    source = source or {}
+    config = source.get("config") or default_config
+    out = [f"model={config}"] if config else []
+    if source.get("kind") in ("local", "hub", "gguf") and source.get("path"):
+        out.append(f"model.path={source['path']}")
+    gguf_file = (source.get("settings") or {}).get("gguf_file")
+    if source.get("kind") == "gguf" and gguf_file:
+        out.append(f"model.gguf_file={gguf_file}")
+    return out
 
 
 def config_from_source(source: dict, overrides: list[str] | None = None) -> ModelConfig:

@@ -11,6 +11,8 @@
 
 - Layer x position heatmaps for report.md (`heatmap`).
 
+Every axis that counts layers has its ticks on whole layers (`_layer_axis`).
+
 Figures are built with `matplotlib.figure.Figure` and written by the Agg renderer, never through pyplot, so
 no GUI backend is touched and no global figure state is left behind. Each PNG is rendered in memory and written
 atomically (exporters/files.py): a killed run leaves the old file or the new one, never a torn image.
@@ -224,7 +226,7 @@ def kv_channel_magnitudes(tensors: dict[str, torch.Tensor], out_dir: Path) -> li
     n_layers, n_kv_heads, head_dim = stats[_PANELS[0][0]].shape
     paths = [_layer_figure(stats, layer, n_kv_heads, head_dim, out_dir / f"layer_{layer:02d}.png")
              for layer in range(n_layers)]
-    return [*paths, _overview(stats, n_kv_heads, head_dim, out_dir / "overview.png")]
+    return [*paths, _save(overview_figure(stats), out_dir / "overview.png")]
 
 
 def _stats(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
@@ -253,32 +255,47 @@ def _layer_figure(stats: dict[str, np.ndarray], layer: int, n_kv_heads: int, hea
     return _save(fig, path)
 
 
-def _overview(stats: dict[str, np.ndarray], n_kv_heads: int, head_dim: int, path: Path) -> Path:
+def overview_figure(stats: dict[str, np.ndarray]) -> Figure:
+    """All layers' per-channel abs-max (`_stats`: [n_layers, n_kv_heads, head_dim] per tensor of _PANELS) as
+    layer x channel images, a panel per tensor."""
+    head_dim = stats[_PANELS[0][0]].shape[-1]
     fig = Figure(figsize=(10, 8), dpi=90, layout="constrained")
     axes = fig.subplots(len(_PANELS), 1, sharex=True)
     for ax, (key, title) in zip(axes, _PANELS):
         grid = stats[key].reshape(stats[key].shape[0], -1)  # [n_layers, H_kv * D]
         image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma")
         fig.colorbar(image, ax=ax, label="abs-max")
-        ax.set_ylabel("layer")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        _layer_axis(ax.yaxis)
         ax.set_title(title, fontsize=9, loc="left")
     axes[-1].set_xlabel(f"channel (kv head x {head_dim})")
     fig.suptitle("per-channel magnitude, all layers")
-    return _save(fig, path)
+    return fig
+
+
+def _layer_axis(axis) -> None:
+    """An axis that counts layers (one image row per layer): labelled "layer", its ticks on whole layers only
+    (matplotlib's default locator puts them at -0.5, 0.0, 0.5, ... on a few-layer image)."""
+    axis.set_label_text("layer")
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def heatmap(values: list[list[float]], edges: list[int], title: str, path: Path, cmap: str) -> Path:
-    """values [n_layers][n_buckets] -> a layer x position-bucket image (bucket j spans edges[j]..edges[j+1])."""
+    """values [n_layers][n_buckets] -> path, a PNG of `heatmap_figure`."""
+    return _save(heatmap_figure(values, edges, title, cmap), path)
+
+
+def heatmap_figure(values: list[list[float]], edges: list[int], title: str, cmap: str) -> Figure:
+    """values [n_layers][n_buckets] -> a layer x position-bucket image (bucket j spans edges[j]..edges[j+1]), its
+    layer ticks on whole layers."""
     fig = Figure(figsize=(4 + len(edges), 6), dpi=100, layout="tight")
     ax = fig.add_subplot()
     im = ax.imshow(values, aspect="auto", cmap=cmap)
     ax.set_xticks(range(len(edges)), [f"{a}-{b}" for a, b in zip(edges, edges[1:])] + [f"{edges[-1]}+"])
     ax.set_xlabel("position bucket")
-    ax.set_ylabel("layer")
+    _layer_axis(ax.yaxis)
     ax.set_title(title)
     fig.colorbar(im, ax=ax)
-    return _save(fig, path)
+    return fig
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -311,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ppl_vs_bits", "frontier_figure", "pareto_front", "recipe_group", "kv_channel_magnitudes", "heatmap", "main"]
+__all__ = ["ppl_vs_bits", "frontier_figure", "pareto_front", "recipe_group", "kv_channel_magnitudes", "heatmap",
+           "heatmap_figure", "overview_figure", "main"]
 
 
 if __name__ == "__main__":

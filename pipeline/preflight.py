@@ -233,11 +233,24 @@ def unknown_key_message(path: str, valid: Iterable[str]) -> str:
     return f"unknown key {path}{mean} valid keys of {parent or 'the config'}: {', '.join(valid)}"
 
 
+LISTED_AT_MOST = 10             # a refusal lists a group's options up to this many; beyond, it says where they are
+RUN_HELP = "kvcalib run --help"  # where every group's options are listed (pipeline/cli.py run_help)
+
+
+def listing(names: list[str], listed: str) -> str:
+    """A group's valid options as a refusal ends: `{listed}: a, b, c` while they are few (LISTED_AT_MOST); a long
+    list (the recipes: dozens on one line) is not printed after the suggestion it would bury, but where to read it:
+    `kvcalib run --help` lists the {listed}."""
+    if len(names) <= LISTED_AT_MOST:
+        return f"{listed}: {', '.join(names)}"
+    return f"`{RUN_HELP}` lists the {listed}"
+
+
 def unknown_option_message(group: str, option: str, where: str | None = None) -> str:
-    """A group option that is not in conf/<group>/: the nearest names, then the valid ones. For quant= (the recipe
-    the run exports) the nearest exportable recipes come first and only the exportable ones are listed; the
-    evaluation-only ones near the word are named apart (they go in eval.recipes). `where`: the key that named
-    it when not `group=` (eval.recipes[0] ...), where every recipe is allowed."""
+    """A group option that is not in conf/<group>/: the nearest names, then the valid ones (listing: a long list
+    is pointed to, not printed). For quant= (the recipe the run exports) the nearest exportable recipes come
+    first; the evaluation-only ones near the word are named apart (they go in eval.recipes). `where`: the key that
+    named it when not `group=` (eval.recipes[0] ...), where every recipe is allowed."""
     options = group_options(group)
     given = where or group
     if group == "quant" and where is None:
@@ -247,12 +260,12 @@ def unknown_option_message(group: str, option: str, where: str | None = None) ->
         others = [n for n in near if n not in exportable][:2]
         mean = f"; did you mean {' or '.join(first)}?" if first else ";"
         aside = (f" (near but evaluation-only, for eval.recipes=[...]: {', '.join(others)})" if others else "")
-        return (f"unknown recipe {given}={option} (no conf/quant/{option}.yaml){mean}{aside} recipes a run exports: "
-                f"{', '.join(exportable)}")
+        return (f"unknown recipe {given}={option} (no conf/quant/{option}.yaml){mean}{aside} "
+                f"{listing(list(exportable), 'recipes a run exports')}")
     near = nearest(option, options)
     mean = f"; did you mean {' or '.join(near)}?" if near else ";"
     what, listed = ("recipe", "recipes") if group == "quant" else (group, f"{group} options")
-    return f"unknown {what} {given}={option} (no conf/{group}/{option}.yaml){mean} {listed}: {', '.join(options)}"
+    return f"unknown {what} {given}={option} (no conf/{group}/{option}.yaml){mean} {listing(options, listed)}"
 
 
 # ------------------------------------------------------------------------------------------------ paths
@@ -405,5 +418,5 @@ def job_overrides(lines: list[str], multirun: bool) -> list[list[str]] | None:
 
 
 __all__ = ["Key", "schema", "schema_key", "group_options", "groups", "default_options", "exportable_recipes",
-           "nearest", "unknown_key_message", "unknown_option_message", "check_model_path", "check_data_path",
-           "parse_overrides", "check_run_overrides", "job_overrides"]
+           "nearest", "LISTED_AT_MOST", "RUN_HELP", "listing", "unknown_key_message", "unknown_option_message",
+           "check_model_path", "check_data_path", "parse_overrides", "check_run_overrides", "job_overrides"]

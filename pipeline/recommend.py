@@ -36,6 +36,10 @@ serves it (flash attention on: llama.cpp needs it for a quantized V cache).
 A run folder may come from elsewhere: summary.json and .hydra/overrides.yaml are read as untrusted input (regular
 files, bounded, their depth and the types of the fields recommend reads checked: read_summary, check_summary), and
 every string of them is printed through pipeline.errors.shown (control characters and terminal escapes escaped).
+
+A run whose model predicts at chance (pipeline.sanity: its fp16 perplexity near its vocabulary size; judged again
+here from the run's figures, so a run folder made before the run recorded it is judged too) gets that warning
+above the table: every ratio in it then compares noise with noise.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ RUN_DIR is a run's folder (outputs/<date>/<time>, holding summary.json).
                            the run set another)
   model.<field>=VALUE      the model as `run` takes it (model.path=DIR when it moved): the serve lines use it
 
-exit codes: 0 printed, 2 refused (run folder or option)
+exit codes: 0 printed, 2 refused (run folder or option), 130 interrupted (Ctrl-C)
 example: {prog} recommend outputs/2026-12-05/01-16-29 --platform gpu
 """
 
@@ -123,8 +127,13 @@ def recommend_llamacpp(summary: dict, max_ppl_ratio: float | None = None) -> dic
             "attn_rot": ev.get("attn_rot")}
 
 
-def _ci(row: dict) -> str:
-    return f"[{row['ci95'][0]:.4f}, {row['ci95'][1]:.4f}]" if row.get("ci95") else "-"
+def _cis(rec: dict) -> tuple[list[str], int]:
+    """Each row's 95% interval as the tables print it (stages.evaluate.interval_text: from fewer than
+    MIN_INTERVAL_WINDOWS windows, said not to be one), and the column's width."""
+    from stages.evaluate import interval_text  # imported here: --help stays light
+
+    cis = [interval_text(r.get("ci95"), rec.get("windows")) for r in rec["rows"]]
+    return cis, max([18, *(len(ci) + 2 for ci in cis)])
 
 
 def _pick_lines(rec: dict, name: str, none: str) -> list[str]:
@@ -137,14 +146,14 @@ def _pick_lines(rec: dict, name: str, none: str) -> list[str]:
 
 
 def format_llamacpp(rec: dict) -> str:
+    cis, span = _cis(rec)
     lines = [f"llama.cpp {shown(rec['version'])} KV cache types run by llama.cpp on this run's "
              f"{shown(rec['windows'])} windows x {shown(rec['seq_len'])} tokens (ratio to its own f16 cache; K/V "
              f"rotation {'on, its default' if rec['attn_rot'] else 'off'}; gate: ppl ratio <= {rec['max_ppl_ratio']}):",
-             f"{'-ctk/-ctv':<14}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18}{'top1':>7}  verdict"]
-    for r in rec["rows"]:
-        ci = _ci(r)
+             f"{'-ctk/-ctv':<14}{'bits':>7}{'ppl ratio':>11}  {'ci95':<{span}}{'top1':>7}  verdict"]
+    for r, ci in zip(rec["rows"], cis):
         verdict = "reference" if r["type"] == "f16" else ("within gate" if r["within_gate"] else "over gate")
-        lines.append(f"{shown(r['type']):<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<18}{r['top1']:7.4f}  "
+        lines.append(f"{shown(r['type']):<14}{r['avg_bits']:7.3f}{r['ppl_ratio']:11.4f}  {ci:<{span}}{r['top1']:7.4f}  "
                      f"{verdict}")
     lines.append("bits: per element of the type's block layout (its scales included), K and V averaged")
     lines += _pick_lines(rec, "type", "no quantized cache type is within the gate: keep llama.cpp's default f16 cache")
@@ -224,13 +233,8 @@ def rerun_command(summary: dict, overrides: Sequence[str] = (), model: Sequence[
 
     kept = [o for o in overrides if key(o).split(".")[0] not in ("quant", "hydra")]
     if not overrides:
-        source = (summary.get("model") or {}).get("source") or {}
-        kept = [f"model={source['config']}"] if source.get("config") else []
-        settings = source.get("settings") or {}
-        if source.get("kind") in ("local", "hub", "gguf") and source.get("path"):
-            kept.append(f"model.path={source['path']}")
-        if source.get("kind") == "gguf" and settings.get("gguf_file"):
-            kept.append(f"model.gguf_file={settings['gguf_file']}")
+        from pipeline.model import model_arguments
+        kept = model_arguments((summary.get("model") or {}).get("source"))
     given = {key(o) for o in model}
     kept = [o for o in kept if key(o) not in given] + list(model)
     return _quote([CONSOLE, "run", f"quant={FP8_RUN}", *kept])
@@ -433,15 +437,16 @@ def format_recommendation(rec: dict) -> str:
     notes, at = _Notes(), rec["places"]
     model = shown(at.model, PATH_MAX) if at.model else f"{MODEL_DIR} {notes.ref(at.model_note)}"
     width = max([len("recipe")] + [len(shown(r["recipe"])) for r in rec["rows"]]) + 2
+    cis, span = _cis(rec)
     lines = [f"vLLM KV-cache formats evaluated in this run on {shown(rec.get('windows'))} windows x "
              f"{shown(rec.get('seq_len'))} tokens (platform {rec['platform']}; gate: ppl ratio <= "
              f"{rec['max_ppl_ratio']}; model: {model}):",
-             f"{'recipe':<{width}}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<18} verdict"]
-    for r in rec["rows"]:
+             f"{'recipe':<{width}}{'--kv-cache-dtype':<22}{'bits':>7}{'ppl ratio':>11}  {'ci95':<{span}} verdict"]
+    for r, ci in zip(rec["rows"], cis):
         verdict = "; ".join(["within gate" if r["within_gate"] else "over gate"]
                             + [f"{tag} {notes.ref(text)}" for tag, text in r["remarks"]])
         lines.append(f"{shown(r['recipe']):<{width}}{r['kv_cache_dtype']:<22}{r['avg_bits']:7.3f}"
-                     f"{r['ppl_ratio']:11.4f}  {_ci(r):<18} {verdict}")
+                     f"{r['ppl_ratio']:11.4f}  {ci:<{span}} {verdict}")
     lines += _pick_lines(rec, "recipe", "no vLLM format is within the gate on this platform: serve kv_cache_dtype=auto")
     for r in rec["later"]:
         lines.append(f"cheaper within the gate after another run: {shown(r['recipe'])} ({r['avg_bits']:.2f} bits) "
@@ -517,12 +522,13 @@ def _member(obj: dict, key: str, where: str, allowed: str, ok, required: bool = 
 
 def _figures(row, where: str) -> dict:
     """One evaluated recipe's (or llama.cpp type's) figures (where: up to the row, ending in '/'): avg_bits and
-    ppl_ratio numbers, ppl_ratio_ci95 [lo, hi] or absent."""
+    ppl_ratio numbers, ppl a number or absent (the sanity check reads it), ppl_ratio_ci95 [lo, hi] or absent."""
     if not isinstance(row, dict):
         raise UserError(f"{where[:-1]}: allowed an object of figures (avg_bits, ppl_ratio, ...), got "
                         f"{type(row).__name__} {shown(repr(row), 80)}")
     for key in ("avg_bits", "ppl_ratio"):
         _member(row, key, where, "a number", _number, required=True)
+    _member(row, "ppl", where, "a number", _number)
     _member(row, "ppl_ratio_ci95", where, "a list of two numbers [lo, hi]",
             lambda v: isinstance(v, list) and len(v) == 2 and all(map(_number, v)))
     return row
@@ -539,6 +545,8 @@ def check_summary(summary: dict, where: str) -> None:
         _member(summary, key, at, "a string", _is(str))
     model = _member(summary, "model", at, "an object", obj) or {}
     _member(model, "name", f"{at}model/", "a string", _is(str))
+    _member(model, "vocab_size", f"{at}model/", "an integer >= 1",
+            lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1)
     source = _member(model, "source", f"{at}model/", "an object", obj)
     if source is not None:
         for key in ("kind", "path"):
@@ -611,6 +619,10 @@ def recommend_main(args: list[str], prog: str = "python -m pipeline") -> str:
         raise UserError(f"--max-ppl-ratio must be a number (a perplexity ratio such as 1.05), got {limit!r}") from None
     run_dir = path_argument(rest[0], "RUN_DIR")
     summary = read_summary(run_dir, rest[0])
+    from pipeline.sanity import run_warnings  # the model's own sanity, judged again from the run's figures
+
+    warnings = [f"warning: {shown(w, LONG)}" for w in run_warnings(summary)]
     if opts["--engine"] == "llama.cpp":
-        return format_llamacpp(recommend_llamacpp(summary, limit))
-    return format_recommendation(recommend(summary, opts["--platform"], limit, _run_overrides(run_dir), model))
+        return "\n".join(warnings + [format_llamacpp(recommend_llamacpp(summary, limit))])
+    return "\n".join(warnings + [format_recommendation(recommend(summary, opts["--platform"], limit,
+                                                                  _run_overrides(run_dir), model))])

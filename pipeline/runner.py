@@ -25,6 +25,7 @@ import shutil
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,7 +36,7 @@ from safetensors.torch import load_file, save
 from tqdm import tqdm
 
 from exporters.checksums import sha256_file, sha256_json
-from exporters.files import fsync_dir, write_synced
+from exporters.files import atomic_write_json, fsync_dir, write_synced
 from pipeline import faults
 from pipeline.locks import FileLock, owner_suffix, remove_if_stale, remove_orphans
 from stages.base import Bound, Context, StageResult, key_view
@@ -49,17 +50,42 @@ class StageRecord:
     peak_rss_mb: float
     config_sha256: str = ""
     waited_s: float = 0.0              # time spent waiting for another job computing the same entry
+    others_cpu: float = 0.0            # share of the machine's CPUs other processes took meanwhile (Usage)
 
 
-class _RssSampler:
-    """Peak resident set size of this process while the block runs (sampled every 20 ms)."""
+# a run whose blocks shared the machine beyond this (other processes' CPU seconds / (wall x CPUs)) ran on a busy
+# machine: its timings say little about this machine's speed; a step this many times slower than its record for the
+# same inputs (and BUSY_MIN_EXTRA_S longer) says the same from the other side
+BUSY_SHARE = 0.25
+BUSY_SLOWER = 2.0
+BUSY_MIN_EXTRA_S = 5.0
+SHARE_MIN_WALL_S = 0.5   # a block shorter than this prints no share: a few scheduler ticks are not a figure
+
+
+def _busy_cpu_s(t) -> float:
+    """Busy CPU seconds of a psutil.cpu_times() (system-wide: everything but idle and iowait)."""
+    return sum(v for k, v in t._asdict().items() if k not in ("idle", "iowait", "guest", "guest_nice"))
+
+
+def _own_cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class Usage:
+    """What a block of the run cost and with whom it shared the machine: wall seconds, the peak resident set size of
+    this process (sampled every 20 ms), and the share of the machine's CPUs other processes took meanwhile
+    (system-wide busy CPU seconds minus this process's own, over wall x CPUs). A figure timed while others took half
+    the CPUs is not this machine's speed; the run says so (Runner.busy_note)."""
 
     def __init__(self, interval: float = 0.02):
         self.interval, self.peak, self._stop = interval, 0, threading.Event()
         self._proc = psutil.Process()
+        self.wall_s = self.others_cpu = 0.0
 
     def __enter__(self):
         self.peak = self._proc.memory_info().rss
+        self._t0, self._sys0, self._own0 = time.perf_counter(), _busy_cpu_s(psutil.cpu_times()), _own_cpu_s(self._proc)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -72,6 +98,10 @@ class _RssSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
+        self.wall_s = time.perf_counter() - self._t0
+        others = (_busy_cpu_s(psutil.cpu_times()) - self._sys0) - (_own_cpu_s(self._proc) - self._own0)
+        cpus = psutil.cpu_count() or 1
+        self.others_cpu = min(1.0, max(0.0, others / (self.wall_s * cpus))) if self.wall_s > 0 else 0.0
 
 
 # libraries whose upgrade can change a stage's numbers: kernels (torch), model code and GGUF dequantization
@@ -206,6 +236,45 @@ class StageCache:
                 if leftover.exists():
                     shutil.rmtree(leftover, ignore_errors=True)
 
+    TIMINGS_FILE = ".timings.json"   # beside the <stage>/<key> entries, never read as one (a file, not a folder)
+    TIMINGS_KEPT = 1000               # the most recent records kept: a hint, not a history
+
+    def _timings(self) -> dict:
+        try:
+            records = json.loads((self.root / self.TIMINGS_FILE).read_text())
+            return records if isinstance(records, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    @staticmethod
+    def _timing_key(step: str, inputs: str) -> str:
+        return sha256_json({"step": step, "inputs": inputs})[:32]
+
+    def timing(self, step: str, inputs: str) -> dict | None:
+        """The wall time recorded for `step` on the same inputs by an earlier run (Runner.step), or None (none, or
+        a record that does not read as one: it is only a hint)."""
+        record = self._timings().get(self._timing_key(step, inputs))
+        if isinstance(record, dict) and isinstance(record.get("wall_s"), (int, float)) and record["wall_s"] > 0:
+            return record
+        return None
+
+    def store_timing(self, step: str, inputs: str, wall_s: float, others_cpu: float) -> None:
+        """Record a step's wall time for its inputs when the machine was quiet (other processes under BUSY_SHARE):
+        the fastest such time is kept, so a busy run never becomes the reference. One JSON file replaced whole
+        (two jobs writing at once may lose one record: a hint, never a result)."""
+        if others_cpu >= BUSY_SHARE:
+            return
+        before = self.timing(step, inputs)
+        if before is not None and before["wall_s"] <= wall_s:
+            return
+        records = self._timings()
+        records.pop(self._timing_key(step, inputs), None)
+        records[self._timing_key(step, inputs)] = {"step": step, "wall_s": round(wall_s, 3),
+                                                    "date": time.strftime("%Y-%m-%d %H:%M"),
+                                                    "cpus": psutil.cpu_count()}
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(self.root / self.TIMINGS_FILE, dict(list(records.items())[-self.TIMINGS_KEPT:]))
+
     def clean_temporaries(self) -> int:
         """Remove what interrupted writes left: temporary folders of a dead process on this host or older than
         FOREIGN_TMP_AGE_S (another host's, or named before owners were recorded), and stale lock files (a
@@ -227,6 +296,9 @@ class Runner:
         self.model_id, self.data_id = model_id, data_id
         self.log, self.show_progress = log, show_progress
         self.records: list[StageRecord] = []
+        self.steps: list[StageRecord] = []         # timed parts that are not cached stages (Runner.step)
+        self._step_after: list[int] = []           # each step's place: the number of stages run before it
+        self.slower: list[tuple[str, float, dict]] = []  # (step, wall now, its record for the same inputs)
         self.keys: dict[str, str] = {}
         self.code_id = code_identity()
 
@@ -253,9 +325,8 @@ class Runner:
         results: dict[str, StageResult] = {}
         for stage in stages:
             key = self.keys[stage.name] = keys[stage.name]
-            start = time.perf_counter()
             waited = 0.0
-            with _RssSampler() as rss:
+            with Usage() as rss:
                 inputs = {d: results[d] for d in stage.deps}
                 result, status = self.cache.load(stage.name, key), "cached"
                 if result is None:
@@ -265,9 +336,9 @@ class Runner:
                         if result is None:
                             result, status = self._compute(stage, ctx, inputs), "computed"
                             self.cache.store(stage.name, key, result)
-            wall = time.perf_counter() - start
+            wall = rss.wall_s
             self.records.append(StageRecord(stage.name, key, status, wall, rss.peak / 2**20,
-                                            sha256_json(key_view(stage.config)), waited))
+                                            sha256_json(key_view(stage.config)), waited, rss.others_cpu))
             by = ""
             if status == "cached" and waited:
                 by = f", computed by another job while this one waited {waited:.1f} s"
@@ -287,11 +358,68 @@ class Runner:
 
             return decl.fit(ctx, inputs, stage.config, progress)
 
+    @contextmanager
+    def step(self, name: str, inputs: str | None = None):
+        """Time a part of the run that is not a cached stage (the model's load, the export, the runtime check, the
+        canary): listed in the stage table with status "ran". inputs: a digest of everything the step's time
+        depends on; its wall time is recorded under it in the cache folder (StageCache.TIMINGS_FILE), and a later
+        step of the same inputs that takes far longer is named in busy_note."""
+        with Usage() as use:
+            yield
+        self.add_step(name, use, inputs)
+
+    def add_step(self, name: str, use: Usage, inputs: str | None = None) -> None:
+        """Record a step measured by `use` (a block timed before the runner existed: the model's load)."""
+        self.steps.append(StageRecord(name, inputs or "", "ran", use.wall_s, use.peak / 2**20, "", 0.0,
+                                      use.others_cpu))
+        self._step_after.append(len(self.records))  # listed where it ran: after the stages run before it
+        if inputs:
+            before = self.cache.timing(name, inputs)
+            if before is not None:
+                self.slower.append((name, use.wall_s, before))
+            self.cache.store_timing(name, inputs, use.wall_s, use.others_cpu)
+
     def table(self) -> str:
-        width = max([28, *(len(r.name) for r in self.records)])  # evaluate-recipe-<name> can be long
-        lines = [f"{'stage':<{width}} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12}", "-" * (width + 32)]
-        lines += [f"{r.name:<{width}} {r.status:<9} {r.wall_s:>8.1f} {r.peak_rss_mb:>12.0f}" for r in self.records]
+        """The stages and steps of the run: status, wall seconds, peak RSS and other processes' share of the CPUs."""
+        rows = self._in_order()
+        width = max([28, *(len(r.name) for r in rows)])  # evaluate-recipe-<name> can be long
+        lines = [f"{'stage':<{width}} {'status':<9} {'wall_s':>8} {'peak_rss_mb':>12} {'others_cpu':>10}",
+                 "-" * (width + 43)]
+        for r in rows:  # a share over less than SHARE_MIN_WALL_S is noise, not a figure
+            share = f"{r.others_cpu:.0%}" if r.wall_s >= SHARE_MIN_WALL_S else "-"
+            lines.append(f"{r.name:<{width}} {r.status:<9} {r.wall_s:>8.1f} {r.peak_rss_mb:>12.0f} {share:>10}")
         return "\n".join(lines)
+
+    def _in_order(self) -> list[StageRecord]:
+        """Stages and steps in the order they ran (a step after the stages run before it)."""
+        rows, steps = [], list(zip(self.steps, self._step_after))
+        for i, record in enumerate(self.records + [None]):
+            rows += [step for step, after in steps if after == i]
+            if record is not None:
+                rows.append(record)
+        return rows
+
+    def busy_note(self) -> str | None:
+        """busy_line over this run's stages and steps and its steps' records (the line, or None)."""
+        return busy_line([(r.wall_s, r.others_cpu) for r in self.records + self.steps], self.slower)
+
+
+def busy_line(blocks: list[tuple[float, float]], slower: list[tuple[str, float, dict]] = ()) -> str | None:
+    """A line when timings are not the machine's: other processes took more than BUSY_SHARE of the CPUs over the
+    timed blocks ((wall_s, others_cpu) each, weighted by wall time), or a step took BUSY_SLOWER x its recorded
+    time for the same inputs ((step, wall now, its record): Runner.slower). None when neither."""
+    wall = sum(w for w, _ in blocks)
+    share = sum(w * o for w, o in blocks) / wall if wall > 0 else 0.0
+    slow = [(n, now, before) for n, now, before in slower
+            if now >= BUSY_SLOWER * before["wall_s"] and now - before["wall_s"] >= BUSY_MIN_EXTRA_S]
+    if share < BUSY_SHARE and not slow:
+        return None
+    cpus = psutil.cpu_count() or 1
+    why = [f"other processes took {share:.0%} of the {cpus} CPUs meanwhile"] if share >= BUSY_SHARE else []
+    why += [f"{n} took {now:.1f} s, {now / before['wall_s']:.1f}x its {before['wall_s']:.1f} s on "
+            f"{before['date']} for the same inputs" for n, now, before in slow]
+    return ("the machine was busy: " + "; ".join(why) + " -- these times are not this machine's speed "
+            "(`top` shows who else runs)")
 
 
 def peak_rss_mb() -> float:
@@ -300,4 +428,4 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-__all__ = ["StageRecord", "StageCache", "Runner", "cache_key", "peak_rss_mb"]
+__all__ = ["StageRecord", "StageCache", "Runner", "Usage", "busy_line", "cache_key", "peak_rss_mb", "BUSY_SHARE"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from exporters.native import load_artifact
 from pipeline.errors import PATH_MAX, shown
+from pipeline.sanity import warnings
 
 
 def _num(value, spec: str) -> str:
@@ -72,6 +73,13 @@ def _evaluation(m: dict) -> list[str]:
             f"{_num(ev.get('top1'), '.4f')}, avg bits {_num(ev.get('avg_bits'), '.3f')}"]
 
 
+def _sanity(m: dict) -> list[str]:
+    """The model's own sanity (pipeline.sanity), judged from the manifest's evaluation (its fp16 row's perplexity,
+    or any row's ppl / ppl_ratio) and its model's vocab_size; nothing where either is not recorded (vocab_size: not
+    in artifacts made before it)."""
+    return [f"warning    {shown(w, PATH_MAX)}" for w in warnings(m["evaluation"], m["model"].get("vocab_size"))]
+
+
 def _check(check: dict | None) -> str:
     """The runtime check the artifact records: its status, worst error (null when no case ran), tolerance and error;
     the quality canary on a line of its own when the record has one. Printed as what it is -- the artifact's claim,
@@ -111,7 +119,7 @@ def show_artifact(directory: str | Path) -> str:
     per_layer = Counter((_describe(layer["key"]), _describe(layer["value"])) for layer in m["layers"])
     for (k, v), n in per_layer.items():
         lines.append(f"layers     {n:>3} x  K {shown(k):<28} V {shown(v)}")
-    lines += _evaluation(m)
+    lines += _sanity(m) + _evaluation(m)
     lines.append(_check(m["runtime_check"]))
     data = m["calibration"].get("data", {})
     lines.append(f"data       {shown(data.get('description'))}: {shown(data.get('n_samples'), 40)} x "

@@ -1,7 +1,8 @@
 """MLflow provenance: one MLflow run per pipeline run, one parent run per Hydra sweep.
 
 A run records what produced it and what it measured:
-- params: the resolved config, flattened to dotted keys (`traces.reservoir_size`);
+- params: the resolved config, flattened to dotted keys (`traces.reservoir_size`), its model.* the model that was
+  loaded (`run_params`: model.source local for a folder, model.name the folder's name, model.dtype);
 - metrics: stage wall times and peak RSS, the evaluation table (`eval.<recipe>.ppl`, the recipe's name written
   with `metric_name`: MLflow keys allow no `+`), the runtime check errors;
 - tags: git sha, package version, model / tokenizer / data sha256, manifest sha256 and format version,
@@ -10,7 +11,8 @@ A run records what produced it and what it measured:
 - artifacts: the exported artifact folder, the resolved config, summary.json, the run's report (report.md with
   every PNG and CSV of the run folder, under `report/`), the evaluation table (CSV and markdown, and
   `evaluation/table.json` logged with `log_table`, which the UI shows "as table") and PNG plots
-  (pipeline/plots.py);
+  (pipeline/plots.py); each file once (the frontier is the report's frontier.png, plots/ppl_vs_bits.png only for a
+  run without a report; Hydra's config.yaml only where it differs from the resolved config/config.yaml);
 - inputs: the calibration and evaluation token windows as MLflow datasets (context `calibration` /
   `evaluation`, digest = the windows' sha256 cut to MLflow's 36 characters, schema and shape of the windows,
   source = the text file or hub split they came from), listed in the run's Datasets.
@@ -73,6 +75,9 @@ _FOLDER_KEYS = ("artifact_dir",)  # exported folders, logged whole under their n
 _CHECKPOINT_KEY = "vllm_checkpoint_dir"
 TABLE_FILE = "evaluation/table.json"  # the evaluation table, logged with MlflowClient.log_table
 REPORT_DIR = "report"  # report.md and the PNG / CSV files beside it in the run folder (its links stay valid)
+# the report's quality-per-bit frontier (pipeline/analysis.py write_report): plots.ppl_vs_bits of the evaluation, the
+# figure plots/ppl_vs_bits.png would repeat
+REPORT_FRONTIER = "frontier.png"
 SHOWN_LINE_CHARS = 10_000   # one line of `show RUN_ID` printed whole up to here (a tag is cut at _MAX_TAG_CHARS)
 _REPORT_SUFFIXES = (".md", ".png", ".csv")
 ARTIFACTS_FOLDER = "mlartifacts"  # a sqlite store's artifacts, beside its database file
@@ -262,6 +267,9 @@ def summary_metrics(summary: dict) -> dict[str, float]:
         # a stage's name holds its recipe's (evaluate-recipe-kvquant-4b+sink16+recent128): written as metric_name
         metrics[f"stage.{metric_name(stage['name'])}.wall_s"] = float(stage["wall_s"])
         metrics[f"stage.{metric_name(stage['name'])}.peak_rss_mb"] = float(stage["peak_rss_mb"])
+    for step in summary.get("steps", []):  # the timed parts that are not cached stages (load, export, check, ...)
+        metrics[f"step.{metric_name(step['name'])}.wall_s"] = float(step["wall_s"])
+        metrics[f"step.{metric_name(step['name'])}.others_cpu"] = float(step["others_cpu"])
     for key in ("wall_s", "calib_wall_s", "peak_rss_mb"):
         if _number(summary.get(key)):
             metrics[f"run.{key}"] = float(summary[key])
@@ -278,18 +286,49 @@ def summary_metrics(summary: dict) -> dict[str, float]:
     return metrics
 
 
+def used_model(name: str | None, source: dict) -> dict[str, str]:
+    """The model a run loaded, as both its params (`model.<key>`) and its tags (`model_<key>`) record it, from its
+    own name and its source (pipeline.model.own_name and model_source, summary["model"]): name (the folder's name
+    for model.path=DIR, the hub id), source (the kind it was loaded as: "local" for a folder, whatever the config
+    said), path (the absolute folder, the hub id), revision (a hub snapshot's commit), config (the conf/model name)
+    and dtype (the weights were loaded in). Absent values are left out."""
+    used = {"name": name, "source": source.get("kind"), "path": source.get("path") or None,
+            "revision": source.get("revision"), "config": source.get("config"),
+            "dtype": (source.get("settings") or {}).get("dtype")}
+    return {k: str(v) for k, v in used.items() if v is not None}
+
+
+# the model.* settings a source reads beside used_model's (and model.device): none for a local folder or a hub id
+_SOURCE_SETTINGS = {"embedded": ("embedded",), "gguf": ("gguf_file",), "tiny": ("tiny",), "shape": ("shape",)}
+
+
+def run_params(cfg: RunConfig) -> dict[str, str]:
+    """The run's MLflow params: the resolved config flattened to dotted keys (`data.seq_len`), its model.* being
+    what was used (`used_model`: model.name my-llama, model.source local, model.path /abs/my-llama, model.config
+    llama3, model.dtype, rather than the config's `name: llama3`, `source: hub`), model.device, and the settings
+    of the model's source only (model.tiny.* for a tiny model, none for a folder)."""
+    from pipeline.model import model_source, own_name
+
+    source = model_source(cfg.model)
+    model = {f"model.{k}": v for k, v in used_model(own_name(cfg.model), source).items()}
+    model["model.device"] = cfg.model.device
+    settings = asdict(cfg.model)
+    for name in _SOURCE_SETTINGS.get(source["kind"], ()):
+        model.update(flatten({name: settings[name]}, "model."))
+    return {**{k: v for k, v in flatten(asdict(cfg)).items() if not k.startswith("model.")}, **model}
+
+
 def summary_tags(summary: dict) -> dict[str, str]:
     model, data = summary.get("model") or {}, summary.get("data") or {}
     manifest, check = summary.get("manifest") or {}, summary.get("runtime_check") or {}
-    tags = {"model_name": model.get("name"), "model_sha256": model.get("model_sha256"),
+    tags = {"model_sha256": model.get("model_sha256"),
             "tokenizer_sha256": model.get("tokenizer_sha256"), "data_description": data.get("description"),
             "calib_sha256": data.get("calib_sha256"), "eval_sha256": data.get("eval_sha256"),
             "manifest_sha256": manifest.get("sha256"), "manifest_format_version": manifest.get("format_version"),
             "runtime_check_status": check.get("status"), "artifact_dir": summary.get("artifact_dir"),
             "stages": ",".join(stage["name"] for stage in summary.get("stages", [])) or None}
-    source = model.get("source") or {}  # where the model came from (pipeline.model.model_source)
-    tags.update({"model_source": source.get("kind"), "model_path": source.get("path") or None,
-                 "model_revision": source.get("revision"), "model_config": source.get("config")})
+    # the model the run loaded: model_name, model_source, model_path, ... as the params model.name, model.source, ...
+    tags.update({f"model_{k}": v for k, v in used_model(model.get("name"), model.get("source") or {}).items()})
     recipes = (summary.get("evaluation") or {}).get("recipes")
     if recipes:
         tags[RECIPES_TAG] = recipes_tag(recipes)
@@ -404,21 +443,28 @@ def _write_artifacts(out: dict, cfg: RunConfig, run_dir: Path, dest: Path) -> No
     from pipeline import plots
 
     (dest / "config" / "hydra").mkdir(parents=True)
-    atomic_write_text(dest / "config" / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    resolved = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    atomic_write_text(dest / "config" / "config.yaml", resolved)
     for name, path in _hydra_files(run_dir).items():
+        # Hydra's composed config is the resolved one byte for byte unless it holds an interpolation (${...}) the
+        # resolved one resolved: logged once, as config/config.yaml, and under config/hydra/ only when it differs
+        if name == "config.yaml" and path.read_bytes() == resolved.encode():
+            continue
         atomic_write_bytes(dest / "config" / "hydra" / name, path.read_bytes())
     summary = out["summary"]
     atomic_write_json(dest / "summary.json", summary)
+    report = report_files(run_dir)
     recipes = (summary.get("evaluation") or {}).get("recipes")
     if recipes:
         table_csv, table_md = evaluation_table(recipes)
         atomic_write_text(dest / "evaluation" / "table.csv", table_csv)
         atomic_write_text(dest / "evaluation" / "table.md", table_md)
-        plots.ppl_vs_bits(recipes, dest / "plots" / "ppl_vs_bits.png")
+        if REPORT_FRONTIER not in {p.name for p in report}:  # else the same figure: logged once, under report/
+            plots.ppl_vs_bits(recipes, dest / "plots" / "ppl_vs_bits.png")
     traces = (out.get("results") or {}).get("traces")
     if traces is not None and "k_pre_absmax" in traces.tensors:
         plots.kv_channel_magnitudes(traces.tensors, dest / "plots" / "kv_channels")
-    for path in report_files(run_dir):  # together, so report.md's relative image links resolve in the UI
+    for path in report:  # together, so report.md's relative image links resolve in the UI
         atomic_write_bytes(dest / REPORT_DIR / path.name, path.read_bytes())
 
 
@@ -435,6 +481,7 @@ class RunRecorder:
         self.problem: str | None = None  # why the store could not open or close the run
 
     def start(self) -> None:
+        params = run_params(self.cfg)  # outside the try: a failure here is not the store's
         try:
             self.client = connect(self.tcfg.uri, self.tcfg.probe_timeout_s)
             exp_id = experiment_id(self.client, self.tcfg.experiment)
@@ -442,7 +489,7 @@ class RunRecorder:
             run = self.client.create_run(exp_id, run_name=self._run_name(), tags=self._start_tags())
             self.run_id = run.info.run_id
             faults.point("mlflow.started")
-            self._log_batch(params=flatten(asdict(self.cfg)))
+            self._log_batch(params=params)
             faults.point("mlflow.params_logged")
         except Exception as exc:
             self.problem = str(exc) if isinstance(exc, TrackingError) else \
@@ -802,19 +849,59 @@ def _show_header(info, t: dict, experiment: str, uri: str) -> list[str]:
     return lines
 
 
+def _recorded_recipe(p: dict):
+    """The run's recipe (a QuantConfig) rebuilt from its quant.* params, whose values are strings that OmegaConf
+    converts to the schema's types; None where they make no recipe of today's schema (a run recorded before it)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from stages.recipe import QuantConfig
+
+    tree: dict = {}
+    try:
+        for key, value in p.items():
+            if key.startswith("quant."):
+                *parents, leaf = key[len("quant."):].split(".")
+                node = tree
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = value
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantConfig), tree))
+    except (OmegaConfBaseException, AttributeError, TypeError, ValueError):
+        return None
+
+
+def _show_recipe(p: dict) -> list[str]:
+    """The `quant` line: the fields the run's recipe uses (stages.recipe.recipe_fields: no engine.* for kvcalib's
+    own recipes, no key.* for a serving library's, no setting that is off), `field=value` as the params hold them;
+    then the smooth.* and prefix.* settings when the recipe smooths or has a prefix. Every quant.* param for a run
+    whose params make no recipe of today's schema."""
+    from stages.recipe import recipe_fields
+
+    q = _recorded_recipe(p)
+    if q is None:
+        return _wrapped("quant", [f"{k[len('quant.'):]}={v}" for k, v in sorted(p.items()) if k.startswith("quant.")])
+    lines = _wrapped("quant", [f"{name}={p.get('quant.' + name, '?')}" for name in recipe_fields(q)])
+    for section in ("smooth", "prefix"):
+        if getattr(q, section):
+            lines += _wrapped(section, [f"{k[len(section) + 1:]}={v}" for k, v in sorted(p.items())
+                                        if k.startswith(f"{section}.")])
+    return lines
+
+
 def _show_inputs(p: dict, t: dict) -> list[str]:
     """What produced the run: code, model, data, config."""
     dirty = {"true": " (with uncommitted changes)", "false": ""}.get(t.get("git_dirty", ""), "")
-    source = t.get("model_source", p.get("model.source", "?"))
-    path = t.get("model_path", p.get("model.path", ""))
-    revision = f", revision {t['model_revision']}" if t.get("model_revision") else ""
-    quant = [f"{k[len('quant.'):]}={v}" for k, v in sorted(p.items()) if k.startswith("quant.")]
+    # the model the run loaded (used_model): its tags, or its params where it failed before the tags were logged; a
+    # run recorded before the params held what was used named its conf/model config in model.name
+    used = {k: t.get(f"model_{k}", p.get(f"model.{k}")) for k in ("name", "source", "path", "revision", "config",
+                                                                  "dtype")}
+    revision = f", revision {used['revision']}" if used["revision"] else ""
     return ["code", _field("kvcalib", f"{t.get('kvcalib_version', '?')}, git {t.get('git_sha', 'unknown')}{dirty}"),
             _field("command", f"{t.get('mlflow.source.name', '?')} {t.get('overrides', '')}"),
             _field("run dir", t.get("run_dir", "?")),
-            "model", _field("name", f"{t.get('model_name', p.get('model.name', '?'))} "
-                                    f"(config {p.get('model.name', '?')})"),
-            _field("source", f"{source} {path}{revision}"),
+            "model", _field("name", f"{used['name'] or '?'} (config {used['config'] or p.get('model.name', '?')})"),
+            _field("source", f"{used['source'] or '?'} {used['path'] or ''}{revision}"),
+            _field("dtype", used["dtype"] or "?"),
             _field("model sha256", t.get("model_sha256", "-")),
             _field("tokenizer sha256", t.get("tokenizer_sha256", "-")),
             "data", _field("description", t.get("data_description", p.get("data.source", "?"))),
@@ -823,7 +910,7 @@ def _show_inputs(p: dict, t: dict) -> list[str]:
             _field("evaluation", f"{p.get('data.eval_n_samples', '?')} x {p.get('data.eval_seq_len', '?')} tokens, "
                                  f"sha256 {t.get('eval_sha256', '-')}"),
             "config", _field("recipe", p.get("quant.name", t.get("quant_name", "?"))),
-            *_wrapped("quant", quant),
+            *_show_recipe(p),
             _field("params", f"{len(p)}; the resolved config is the run's artifact config/config.yaml")]
 
 
@@ -839,16 +926,19 @@ def _run_recipes(t: dict, m: dict) -> list[str]:
     return sorted({k[len("eval."):k.rindex(".")] for k in m if k.startswith("eval.")})
 
 
-def _show_evaluation(t: dict, m: dict, seq_len: str) -> list[str]:
+def _show_evaluation(t: dict, m: dict, seq_len: str, n_windows: str = "?") -> list[str]:
     """The evaluation table, one row per recipe by its exact name, sorted by average bits (highest first), and
-    what its bits column counts (exporters/ledger.py: the bits the evaluated cache held per element)."""
-    from stages.evaluate import BITS_NOTE  # the one explanation of the bits column
+    what its bits column counts (exporters/ledger.py: the bits the evaluated cache held per element); each interval
+    as stages.evaluate.interval_text prints it (n_windows: the param data.eval_n_samples)."""
+    from stages.evaluate import BITS_NOTE, interval_text  # the one explanation of the bits column; of an interval
+
+    windows = int(n_windows) if str(n_windows).isdigit() else None
 
     rows = []
     for recipe in _run_recipes(t, m):
         key = f"eval.{metric_name(recipe)}."
         lo, hi = m.get(f"{key}ppl_ratio_ci95_lo"), m.get(f"{key}ppl_ratio_ci95_hi")
-        interval = f"[{lo:.4f}, {hi:.4f}]" if lo is not None and hi is not None else "-"
+        interval = interval_text([lo, hi], windows) if lo is not None and hi is not None else "-"
         cells = [_number_cell(m.get(key + column), fmt) for _, column, fmt in _EVAL_COLUMNS]
         rows.append((-m.get(f"{key}avg_bits", float("inf")), recipe, [recipe, *cells[:3], interval, *cells[3:]]))
     if not rows:
@@ -869,7 +959,7 @@ def _show_results(p: dict, t: dict, m: dict, report: list[str]) -> list[str]:
                  _number_cell(m.get(f"stage.{k}.wall_s"), "{:.1f}"),
                  _number_cell(m.get(f"stage.{k}.peak_rss_mb"), "{:.0f}")] for s, k in stages]
         lines += ["stages", *aligned(["stage", "status", "key", "wall s", "peak MB"], rows, right={3, 4})]
-    lines += _show_evaluation(t, m, p.get("data.eval_seq_len", "?"))
+    lines += _show_evaluation(t, m, p.get("data.eval_seq_len", "?"), p.get("data.eval_n_samples", "?"))
     if "runtime_check_status" in t:
         errors = sorted((k[len("runtime_check."):], v) for k, v in m.items() if k.startswith("runtime_check."))
         lines += ["runtime check", *aligned(["status", *(k for k, _ in errors)],

@@ -422,24 +422,47 @@ BITS_NOTE = ("avg_bits: the cache's bytes x 8 per cached K/V element, averaged o
              "128 recent rows shows ~6 bits on 1k-token windows, nearer 4 on long ones")   # the one explanation
 
 
-def table(recipes: dict[str, dict], reference: str = "fp16") -> str:
+# A 95% interval (ppl_ratio_interval) needs at least this many windows to be one. Its percentile bootstrap resamples
+# W windows W times; the replicate made of one window W times, the most extreme, has probability (1/W)^W -- 25% at
+# W = 2, 3.7% at W = 3, above the 2.5% each tail cuts off, so there the interval's ends are the most extreme single
+# window's own ratios (two windows of one ratio: [1.0006, 1.0006]), a range of samples, not an
+# interval; at W = 4, 0.39%.
+MIN_INTERVAL_WINDOWS = 4
+
+
+def interval_note(n_windows) -> str:
+    """What follows an interval computed from n_windows windows (None: not known): "" from MIN_INTERVAL_WINDOWS
+    on, else why it is not an interval, " (2 windows: not an interval)"."""
+    if isinstance(n_windows, int) and not isinstance(n_windows, bool) and n_windows < MIN_INTERVAL_WINDOWS:
+        return f" ({n_windows} window{'' if n_windows == 1 else 's'}: not an interval)"
+    return ""
+
+
+def interval_text(ci, n_windows=None) -> str:
+    """A ppl-ratio 95% interval [lo, hi] as the tables print it ("-" without one), followed by interval_note. The one
+    wording of it: the evaluation table, llama.cpp's, recommend's and `show <run id>`'s."""
+    return f"[{ci[0]:.4f}, {ci[1]:.4f}]{interval_note(n_windows)}" if ci else "-"
+
+
+def table(recipes: dict[str, dict], reference: str = "fp16", n_windows: int | None = None) -> str:
     """The comparison table, sorted by average bits; ppl/fp16 is the ratio on the same windows with its 95%
-    interval when the evaluation computed one; BITS_NOTE under it."""
+    interval when the evaluation computed one (n_windows: the evaluation's windows, interval_text); BITS_NOTE
+    under it."""
     ref_ppl = recipes.get(reference, {}).get("ppl")
     width = max([22, *(len(n) + 1 for n in recipes)])
-    head = (f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'95% interval':>17} {'KL':>8} "
-            f"{'top1':>7} {'sparse K/V %':>13}")
+    note = interval_note(n_windows)  # after each interval, the column's header over the numbers
+    head = (f"{'recipe':<{width}} {'avg_bits':>8} {'ppl':>9} {'ppl/fp16':>9} {'95% interval':>17}{'':{len(note)}} "
+            f"{'KL':>8} {'top1':>7} {'sparse K/V %':>13}")
     lines = [head, "-" * len(head)]
     for name, r in sorted(recipes.items(), key=lambda kv: -kv[1]["avg_bits"]):
         if "ppl_ratio" in r:
             ratio = f"{r['ppl_ratio']:9.4f}"
-            lo, hi = r["ppl_ratio_ci95"]
-            interval = f"[{lo:.4f}, {hi:.4f}]"
+            interval = f"{interval_text(r['ppl_ratio_ci95']):>17}{note}"
         else:
             ratio = f"{r['ppl'] / ref_ppl:9.4f}" if ref_ppl else f"{'-':>9}"
-            interval = "-"
+            interval = f"{'-':>17}{'':{len(note)}}"
         sparse = f"{100 * r['outlier_fraction_k']:.2f}/{100 * r['outlier_fraction_v']:.2f}"
-        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {interval:>17} "
+        lines.append(f"{name:<{width}} {r['avg_bits']:>8.3f} {r['ppl']:>9.3f} {ratio} {interval} "
                      f"{r['kl']:>8.4f} {r['top1']:>7.4f} {sparse:>13}")
     return "\n".join(lines + [BITS_NOTE])
 

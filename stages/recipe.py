@@ -10,11 +10,11 @@ exports (check_exportable).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from exporters.codec import CachePolicy, CodecError, TensorPolicy, check_exportable, fp8_scale_from_amax
+from exporters.codec import FORMATS, CachePolicy, CodecError, TensorPolicy, check_exportable, fp8_scale_from_amax
 from exporters.rotation import rht_signs
 from stages.calibration_rows import CalibGroup
 from stages.engine_cache import EngineCacheConfig
@@ -60,6 +60,38 @@ class QuantConfig:
     prefix: bool = False
     # a serving library's own cache (transformers QuantizedCache), run as that library: evaluation only
     engine: EngineCacheConfig = field(default_factory=EngineCacheConfig)
+
+
+def tensor_fields(t: TensorQuantConfig) -> list[str]:
+    """The fields of one tensor's stored form that the recipe chose, in schema order: `format`; `bits` and `axis`
+    where the format allows more than one value (exporters.codec.FORMATS); `group_size` on a grouped axis; the
+    settings only this format reads (fp8_dtype, fp8_rounding, norm_correction); outlier_fraction, rotation and clip
+    when on. Every field for a format the codec does not know (validate_recipe refuses it)."""
+    fmt = FORMATS.get(t.format)
+    names = [f.name for f in fields(t)]
+    if fmt is None:
+        return names
+    off = TensorQuantConfig()
+    chosen = {"format", *fmt.settings, *(n for n in ("outlier_fraction", "rotation", "clip")
+                                         if getattr(t, n) != getattr(off, n))}
+    chosen |= {n for n, allowed in (("bits", fmt.bits), ("axis", fmt.axes)) if len(allowed) > 1}
+    if t.to_policy().is_grouped:
+        chosen.add("group_size")
+    return [n for n in names if n in chosen]
+
+
+def recipe_fields(q: QuantConfig) -> list[str]:
+    """The fields of recipe `q` that decide its cache, as dotted names under `quant.` in schema order (what `show`
+    lists of a recorded run): a serving library's recipe its `engine.*` fields alone (kvcalib's own fields stay at
+    their defaults there, validate_recipe); any other its `key.*` and `value.*` fields as `tensor_fields` picks
+    them, `key_rope` when the keys are quantized, and n_sink, residual, full_precision_layers, smooth and prefix
+    when on. `name` is not among them: it names the recipe."""
+    if q.engine.library:
+        return [f"engine.{f.name}" for f in fields(q.engine)]
+    out = [f"{kind}.{name}" for kind in ("key", "value") for name in tensor_fields(getattr(q, kind))]
+    if q.key.format != "fp16":
+        out.append("key_rope")
+    return out + [n for n in ("n_sink", "residual", "full_precision_layers", "smooth", "prefix") if getattr(q, n)]
 
 
 def needs_calibration(q: QuantConfig) -> bool:

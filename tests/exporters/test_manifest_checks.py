@@ -183,6 +183,14 @@ def test_a_decoding_field_must_match_the_tensor_file_header(make_artifact, forge
 
 def test_the_prefix_ids_must_match_the_prefix_tensor(make_artifact, forge, tiny):
     artifact = make_artifact(PREFIXED)
+    with pytest.raises(mf.ModelMismatchError, match=r"model/vocab_size=49152; the model given has model/vocab_size=1"):
+        load_artifact(artifact, replace(tiny.spec, vocab_size=1))
+
+    def made_before_vocab_size(m):  # an artifact that records no vocab_size: the prefix ids still bound by the model
+        del m["model"]["vocab_size"]
+
+    forge(artifact, made_before_vocab_size, rebind=True)
+    load_artifact(artifact, tiny.spec)
     with pytest.raises(mf.ModelMismatchError, match=r"the model given has 1 tokens, got id 1"):
         load_artifact(artifact, replace(tiny.spec, vocab_size=1))
     forge(artifact, _set("cache/prefix/token_ids/0", 7), rebind=True)  # header rewritten too: the tensor disagrees
@@ -200,7 +208,7 @@ def test_the_prefix_ids_must_match_the_prefix_tensor(make_artifact, forge, tiny)
 
 @pytest.mark.parametrize("field,value", [
     ("rope_theta", 500000.0), ("rope_scaling", json.dumps({"rope_type": "linear", "factor": 2.0})),
-    ("rope_pairing", "interleaved"), ("max_positions", 8192), ("architecture", "MistralForCausalLM"),
+    ("rope_pairing", "interleaved"), ("max_positions", 8192), ("vocab_size", 32000), ("architecture", "MistralForCausalLM"),
     ("n_q_heads", 8), ("bos_token_id", 0), ("tokenizer_sha256", "e" * 64),
 ])
 def test_the_served_model_must_be_the_calibrated_one(make_artifact, tiny, field, value):

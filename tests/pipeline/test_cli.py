@@ -1,6 +1,8 @@
 """The command line as a user runs it (subprocesses), on the tiny model and on the embedded model."""
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import pipeline.errors as errors
-from pipeline.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_USER
+from pipeline.errors import EXIT_CHECK_FAILED, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_USER
+from tests.pipeline.test_user_path import own_model  # noqa: F401 -- a fixture: the user's own Llama folder
 
 ROOT = Path(__file__).resolve().parents[2]
 # the CLI's mechanics on one fixed recipe (not the default, which may change: a 16-token sink and a 128-row window
@@ -48,7 +51,8 @@ def test_tiny_run_then_cached_run(tmp_path):
     ("quant.value.format=fp16", "quant.value.axis for format fp16 must be one of ('tensor',), got 'token'"),
     ("codebooks.weighting=mse", "codebooks.weighting must be one of ('fisher-scale2', 'fisher', 'query-scale2'), got 'mse'"),
     ("quant.key.bits=5", "quant.key.bits must be one of (2, 3, 4, 8), got 5"),       # an invalid recipe
-    ("eval.recipes=[nope]", "unknown recipe eval.recipes[0]=nope (no conf/quant/nope.yaml); recipes: fp16,"),
+    ("eval.recipes=[nope]", "unknown recipe eval.recipes[0]=nope (no conf/quant/nope.yaml); `kvcalib run --help` "
+                            "lists the recipes"),
     ("fisher.enabled=false", "unknown key fisher.enabled; valid keys of fisher: recompute"),  # the field that did nothing
     ("+fisher.enabled=false", "unknown key fisher.enabled; valid keys of fisher: recompute (`+key=value` cannot add"),
     ("+model.bogus=1", "unknown key model.bogus; valid keys of model: name, source, embedded, path,"),
@@ -83,7 +87,7 @@ REFUSALS = [
     (["quant=kvquant-4b+sink16+recent12"],
      ["unknown recipe quant=kvquant-4b+sink16+recent12 (no conf/quant/kvquant-4b+sink16+recent12.yaml); did you "
       "mean kvquant-4b+sink16+recent128 or ", "(near but evaluation-only, for eval.recipes=[...]: kvquant-2b+sink16+recent32+",
-      "recipes a run exports: fp16, "], False),   # which recipes export: exporters.codec (torch)
+      "`kvcalib run --help` lists the recipes a run exports"], False),   # which recipes export: exporters.codec (torch)
     (["eval.recipes=[fp16,kvquant-4b-1pt]"], ["unknown recipe eval.recipes[1]=kvquant-4b-1pt (no "
                                               "conf/quant/kvquant-4b-1pt.yaml); did you mean kvquant-4b-1pct"], True),
     (["-m", "quant=kvquant-4b,kvquant-4bb"], ["unknown recipe quant=kvquant-4bb", "did you mean kvquant-4b"], False),
@@ -114,8 +118,8 @@ def test_a_refused_run_leaves_no_run_folder_and_no_mlflow_run(tmp_path, args, me
 
 def test_a_misspelled_recipe_is_answered_with_exportable_recipes_first(tmp_path):
     """The nearest names offered for quant= are recipes a run can export; the evaluation-only ones near the word
-    are named apart, and none of vLLM's or transformers' own caches is listed as one to export. Of the rotated
-    recipes only the rotated, clipped values (+rotclipv) export; key and nuq rotations (+rot, +rotk, +rotv) do not."""
+    are named apart. Of the rotated recipes only the rotated, clipped values (+rotclipv) export; key and nuq
+    rotations (+rot, +rotk, +rotv) do not."""
     out = _run(["run", "quant=kvquant-4b+rot+sink16"], tmp_path)
     assert out.returncode == EXIT_USER
     message = out.stderr.strip().splitlines()[-1]
@@ -126,9 +130,27 @@ def test_a_misspelled_recipe_is_answered_with_exportable_recipes_first(tmp_path)
     offered = message.split("did you mean ")[1].split("?")[0].split(" or ")
     assert offered and not any(map(evaluation_only_rotation, offered)), message
     assert "kvquant-4b+rot" in message.split("near but evaluation-only")[1].split(")")[0], message
-    exported = message.split("recipes a run exports: ")[1].split(", ")
-    assert "kvquant-4b-1pct" in exported and "kvquant-2b+sink16+recent32+rotclipv" in exported
-    assert not [n for n in exported if n.startswith(("vllm-", "hf-")) or evaluation_only_rotation(n)], exported
+
+
+@pytest.mark.parametrize("typo,says", [
+    ("kvqant-4b", "unknown recipe quant=kvqant-4b (no conf/quant/kvqant-4b.yaml); did you mean kvquant-4b or "),
+    ("zzzz", "unknown recipe quant=zzzz (no conf/quant/zzzz.yaml); `kvcalib run --help` lists the recipes a run "
+             "exports"),
+])
+def test_a_recipe_typo_is_answered_by_the_suggestion_and_where_the_list_is(tmp_path, typo, says):
+    """Before: the suggestion (did you mean kvquant-4b?) was followed by every recipe a run exports (54) on one
+    line. Now the suggestion alone, and where the list is: `run --help`, which lists each recipe, a family to a
+    line. A group of few options (model=, data=, layer_policy=) is still listed in the message."""
+    out = _run(["run", f"quant={typo}"], tmp_path)
+    err = out.stderr.strip()
+    assert out.returncode == EXIT_USER and "\n" not in err and says in err, err
+    assert err.endswith("`kvcalib run --help` lists the recipes a run exports") and len(err) < 400, err
+    assert "kvquant-4b-1pct+sink16+recent32" not in err   # not the list
+    listed = _run(["run", "--help"], tmp_path).stdout
+    assert "    kvquant-4b   kvquant-4b, kvquant-4b+rot, kvquant-4b+sink16+recent128*, " in listed, listed
+    assert "kvquant-4b-1pct+sink16+recent32" in listed and "    vllm         vllm-cpu-fp8, " in listed
+    few = _run(["run", "layer_policy=long-4b"], tmp_path).stderr.strip()
+    assert few.endswith("layer_policy options: long-2.5b, long-3.5b, long-3.5b-sliding, long-3b, long-3b-sliding"), few
 
 
 @pytest.mark.parametrize("command", ["run", "check", "show", "export-vllm", "recommend"])
@@ -373,3 +395,100 @@ def test_show_takes_a_run_id_to_mlflow(tmp_path, monkeypatch, capsys):
     run_id = "0123456789abcdef" * 2
     code, out, _ = _main(["show", run_id, "tracking.uri=sqlite:///x.db"], capsys)
     assert code == 0 and out == "the run\n" and seen == [(run_id, "sqlite:///x.db")]
+
+
+def test_show_of_a_missing_folder_touches_no_mlflow(tmp_path):
+    """`show some/folder/that-does-not-exist`, as a user types it: the folder named at once, MLflow never imported
+    and no tracking store created (before: taken for a run id, MLflow opened for most of a minute)."""
+    out = _run_planted(WATCH_IMPORTS, ["show", "some/folder/that-does-not-exist"], tmp_path)
+    assert out.returncode == EXIT_USER and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: ARTIFACT: no such folder: some/folder/that-does-not-exist ("), out.stderr
+    assert "heavy modules: []" in out.stderr and not (tmp_path / "mlruns.db").exists()
+
+
+# ---- Ctrl-C: one line, exit 130, and the same command takes it up again (issue 69) --------------------------------
+
+# a first look at one's own model, cut down to seconds: the stages and the MLflow run a user's run has
+OWN = ["preset=quick", "data.seq_len=128", "data.eval_seq_len=128", "traces.reservoir_size=64", "model.dtype=float32",
+       "sensitivity.enabled=false", "probes.enabled=false", "check.enabled=false"]
+
+
+def test_ctrl_c_during_a_run_is_one_line_and_the_same_command_resumes(own_model, tmp_path):
+    """A real SIGINT to `python -m pipeline run model=llama3 model.path=DIR ...` once a stage has finished (its line
+    on stdout): exit 130, stderr's last line says so with the user's own command line (before: a 110-line
+    traceback), the MLflow run is marked KILLED; the same command then finishes, reusing the finished stages."""
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    args = ["run", "model=llama3", f"model.path={own_model}", f"tracking.uri={store}", *OWN]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    finished = None
+    for line in proc.stdout:
+        if line.startswith("stage "):   # `stage traces: computed KEY (s)`: stored; the next stage is running
+            finished = line.split(":")[0].removeprefix("stage ")
+            proc.send_signal(signal.SIGINT)
+            break
+    _, err = proc.communicate(timeout=600)
+    assert finished is not None and proc.returncode == EXIT_INTERRUPTED, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("interrupted; finished stages are kept: the same command resumes: "
+                                            f"python -m pipeline {shlex.join(args)}"), err[-3000:]
+    client = MlflowClient(tracking_uri=store)
+    (killed,) = client.search_runs([client.get_experiment_by_name("kvcalib").experiment_id])
+    assert killed.info.status == "KILLED"
+
+    again = _run(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"stage {finished}: reused cache entry" in again.stdout, again.stdout[-3000:]
+
+
+def test_ctrl_c_during_export_vllm_leaves_no_partial_folder(tmp_path, make_artifact):
+    """A real SIGINT while export-vllm writes (the model's weights in its temporary folder, nothing else yet): exit
+    130, one line naming the same command, and neither OUT nor its temporary sibling left behind."""
+    patch = ("import os, signal\nimport pipeline.faults as f\nreal = f.point\n"
+             "def point(name):\n    real(name)\n    if name == 'export.vllm_weights_written':\n"
+             "        os.kill(os.getpid(), signal.SIGINT)\nf.point = point")
+    args = ["export-vllm", str(make_artifact("kvquant-4b-1pct")), str(tmp_path / "out"), "--unchecked",
+            "model.source=tiny"]
+    out = _run_planted(patch, args, tmp_path)
+    assert out.returncode == EXIT_INTERRUPTED and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "interrupted; no partial OUT folder is left (it is written whole or not at all): the same command exports "
+        f"it: python -m pipeline {shlex.join(args)}"), out.stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))]
+
+
+def test_ctrl_c_during_check_writes_no_record(tmp_path, make_artifact):
+    """A real SIGINT while `check` runs (the runtime check done, the canary about to start): exit 130, one line,
+    the artifact unchanged and no check record beside it."""
+    from pipeline.check import result_path
+
+    art = make_artifact("int4-token")
+    before = {p.name: p.read_bytes() for p in art.iterdir()}
+    patch = ("import os, signal\nimport pipeline.check as c\nreal = c.quality_canary\n"
+             "def canary(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
+             "c.quality_canary = canary")
+    args = ["check", str(art), "contexts=[16]", "batches=[1]", "model.source=tiny", "allow_unclaimed=true"]
+    out = _run_planted(patch, args, tmp_path)
+    assert out.returncode == EXIT_INTERRUPTED and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "interrupted; the artifact is unchanged and no check record was written: the same command checks it again: "
+        f"python -m pipeline {shlex.join(args)}"), out.stderr
+    assert "runtime check" in out.stdout   # it was interrupted running, not before
+    assert {p.name: p.read_bytes() for p in art.iterdir()} == before and not result_path(art).exists()
+
+
+@pytest.mark.parametrize("command,module,function,says", [
+    ("show", "pipeline.cli", "show_target", "nothing was changed: the same command shows it again"),
+    ("recommend", "pipeline.recommend", "read_summary", "nothing was changed: the same command recommends again"),
+])
+def test_ctrl_c_during_show_or_recommend_is_one_line(tmp_path, command, module, function, says):
+    """A real SIGINT as the command reads its argument: exit 130 and one line, no traceback."""
+    patch = (f"import os, signal\nimport {module} as m\nreal = m.{function}\n"
+             f"def interrupted(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
+             f"m.{function} = interrupted")
+    out = _run_planted(patch, [command, "outputs/some-run"], tmp_path)
+    assert out.returncode == EXIT_INTERRUPTED and out.stdout == "", out.stderr[-3000:]
+    assert out.stderr == f"interrupted; {says}: python -m pipeline {command} outputs/some-run\n", out.stderr

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,8 @@ if os.environ.get("KVCALIB_CRASH_POINTS") == "all":
 MANIFEST_MAY_DIFFER = {"created", "manifest_digest"}
 # ... and into summary.json: wall times, memory, lock waits, and the paths of the run dir's files
 SUMMARY_MAY_DIFFER = {"wall_s", "calib_wall_s", "peak_rss_mb", "artifact_dir", "vllm_checkpoint_dir", "report",
-                      "manifest.sha256", "stages[].wall_s", "stages[].peak_rss_mb", "stages[].waited_s"}
+                      "manifest.sha256", "stages[].wall_s", "stages[].peak_rss_mb", "stages[].waited_s",
+                      "stages[].others_cpu", "steps[].wall_s", "steps[].peak_rss_mb", "steps[].others_cpu", "busy"}
 
 
 def _env(**extra: str) -> dict:
@@ -226,7 +228,8 @@ def _scenario_row(root: Path, base: Baseline, point: str) -> dict:
         return _scenario(root, base, point)
     except Exception as exc:  # reported in the table with the others, not instead of them
         return {"point": point, "killed_rc": "-", "rerun_rc": "-", "identical": False, "mlflow_killed": "-",
-                "wall_s": 0.0, "ok": False, "reached": False, "damaged_read": [], "problems": [repr(exc)], "log": ""}
+                "wall_s": 0.0, "ok": False, "reached": False, "damaged_read": [], "problems": [repr(exc)],
+                "log": traceback.format_exc()}
 
 
 @pytest.mark.slow

@@ -83,3 +83,30 @@ def test_long_context_windows_come_from_the_evaluation_text(tmp_path, tiny):
     assert wl.data_id != w.data_id  # stage results computed with long windows are keyed apart
     with pytest.raises(UserError, match=r"asked for 99 long-context evaluation \(data.long_n_samples\) windows"):
         build_windows(DataConfig(**base, long_n_samples=99, long_seq_len=64), tiny.tokenizer)
+
+
+def test_a_short_local_text_names_the_half_that_is_short(tmp_path, tiny):
+    """data=local with one file cuts it in halves (calibration, evaluation): the refusal says which half is short,
+    what it holds and needs, and that the text was cut in two."""
+    f = tmp_path / "mine.txt"
+    f.write_text("\n".join(f"line {i} of a short text about nothing much." for i in range(60)))
+    base = dict(source="local", path=str(f), n_samples=1, seq_len=32, eval_n_samples=1, eval_seq_len=32)
+    build_windows(DataConfig(**base), tiny.tokenizer)
+    halves = r": data=local cuts its text in halves at the middle line, the first for calibration and the second for evaluation"
+    with pytest.raises(UserError, match=r"asked for 90 calibration windows of 32 tokens \(2880 tokens\), but the "
+                                        r"calibration half of '.*mine.txt' holds only \d+ \(\d+ tokens\)" + halves +
+                                        r".*; lower data.n_samples or data.seq_len, or give more text"):
+        build_windows(DataConfig(**{**base, "n_samples": 90}), tiny.tokenizer)
+    with pytest.raises(UserError, match=r"asked for 90 evaluation windows of 32 tokens \(2880 tokens\), but the "
+                                        r"evaluation half of '.*mine.txt' holds only \d+ \(\d+ tokens\)" + halves +
+                                        r".*; lower data.eval_n_samples or data.eval_seq_len"):
+        build_windows(DataConfig(**{**base, "eval_n_samples": 90}), tiny.tokenizer)
+
+
+def test_a_short_file_of_a_folder_is_named_as_the_file(tmp_path, tiny):
+    (tmp_path / "valid.txt").write_text("alpha beta gamma " * 200)
+    (tmp_path / "test.txt").write_text("one two three four " * 10)
+    with pytest.raises(UserError, match=r"but the evaluation file '.*test.txt' \(data.eval_file\) holds only \d+ "
+                                        r"\(\d+ tokens\); lower data.eval_n_samples"):
+        build_windows(DataConfig(source="local", path=str(tmp_path), n_samples=2, seq_len=16, eval_n_samples=2,
+                                 eval_seq_len=32), tiny.tokenizer)

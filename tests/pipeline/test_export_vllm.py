@@ -253,6 +253,18 @@ def test_the_record_check_writes_beside_the_artifact_counts_when_it_is_its(tmp_p
         f"{art.name}.check.json", "artifact.check.json")
 
 
+def test_a_refused_recipe_is_answered_with_a_run_of_the_artifacts_own_model(tmp_path, make_artifact, forge, capsys):
+    """A recipe vLLM cannot serve (smoothing), from a run of the user's own folder: the re-run hint carries the
+    model arguments that run had (manifest model.source, as the run's next steps print them), quoted for a shell
+    (before: `kvcalib run quant=... ...`, which runs the embedded model)."""
+    folder = tmp_path / "my llama"
+    source = {"kind": "local", "path": str(folder), "revision": None, "config": "llama3", "settings": {}}
+    art = forge(make_artifact("kvquant-3b-1pct+smooth"), lambda m: m["model"].update(source=source), rebind=True)
+    code, _, err = _export([str(art), str(tmp_path / "out")], capsys)
+    assert code == EXIT_USER and err.count("\n") == 1 and not (tmp_path / "out").exists(), err
+    assert f"(kvcalib run model=llama3 'model.path={folder}' quant=kvquant-3b-1pct" in err, err
+
+
 # ---- the packed kind: a kvquant recipe the kvcalib vLLM plugin serves -----------------------------------------
 
 PACKED = "kvquant-4b-1pct"

@@ -159,3 +159,23 @@ def test_llama3_shape_loads_one_real_layer():
     assert s.rope_theta == 500000.0 and '"rope_type": "llama3"' in s.rope_scaling
     assert s.weights == "random (seed 0, preset llama3-8b)" and s.architecture == "LlamaForCausalLM"
     assert next(lm.model.parameters()).dtype.is_floating_point and str(next(lm.model.parameters()).dtype) == "torch.bfloat16"
+
+
+@pytest.mark.parametrize("source,default,args", [
+    ({"kind": "local", "path": "/data/my llama", "config": "llama3", "settings": {}}, None,
+     ["model=llama3", "model.path=/data/my llama"]),
+    ({"kind": "hub", "path": "org/name", "config": "llama3", "settings": {}}, None,
+     ["model=llama3", "model.path=org/name"]),
+    ({"kind": "gguf", "path": "/m", "config": "smollm2", "settings": {"gguf_file": "m.gguf"}}, None,
+     ["model=smollm2", "model.path=/m", "model.gguf_file=m.gguf"]),
+    ({"kind": "embedded", "path": "", "config": "smollm2", "settings": {}}, None, ["model=smollm2"]),
+    ({"kind": "tiny", "path": "", "config": "tiny", "settings": {}}, "llama3", ["model=tiny"]),
+    (None, "llama3", ["model=llama3"]),
+    (None, None, []),
+], ids=["local", "hub", "gguf", "embedded", "tiny", "no-source", "nothing"])
+def test_model_arguments_load_the_recorded_model_again(source, default, args):
+    """model_source's record -> the `run` arguments that load that model again (the re-run commands printed by the
+    run's next steps, export-vllm and recommend), unquoted."""
+    from pipeline.model import model_arguments
+
+    assert model_arguments(source, default) == args

@@ -83,3 +83,38 @@ def test_the_frontier_from_a_bench_quality_json(tmp_path, capsys):
     assert (tmp_path / "q.png").is_file() and capsys.readouterr().out.strip() == str(tmp_path / "q.png")
     results.write_text("{}")
     assert plots.main([str(results), str(tmp_path / "q.png")]) == 2
+
+
+def _layer_ticks(fig) -> list[list[str]]:
+    """The tick labels of every layer axis of `fig` (the y axes labelled "layer"), as drawn, within the axes' view."""
+    fig.draw_without_rendering()
+    out = []
+    for ax in fig.axes:
+        if ax.get_ylabel() != "layer":
+            continue
+        lo, hi = sorted(ax.get_ylim())
+        out.append([t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi])
+    return out
+
+
+def test_a_three_layer_heatmap_is_ticked_on_whole_layers():
+    """A 3-layer layer x position heatmap: its layer axis reads 0, 1, 2 (matplotlib's default ticks on a 3-row image
+    are -0.5, 0.0, 0.5, ..., 2.5: half layers that do not exist)."""
+    values = [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]]
+    fig = plots.heatmap_figure(values, [0, 128], "next-token KL, one layer quantized", "magma")
+    assert _layer_ticks(fig) == [["0", "1", "2"]]
+
+
+def test_every_layer_axis_of_the_channel_overview_is_ticked_on_whole_layers():
+    """The kv_channels overview (a layer x channel image per K pre-RoPE, K post-RoPE, V) of a 3-layer model."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    stats = {key: rng.random((3, 2, 16)) for key, _ in plots._PANELS}  # [n_layers, n_kv_heads, head_dim]
+    assert _layer_ticks(plots.overview_figure(stats)) == [["0", "1", "2"]] * 3
+
+
+def test_a_forty_layer_heatmap_keeps_whole_layer_ticks_and_few_of_them():
+    values = [[float(i)] for i in range(40)]
+    (ticks,) = _layer_ticks(plots.heatmap_figure(values, [0], "t", "viridis"))
+    assert all(t.isdigit() for t in ticks) and 3 <= len(ticks) <= 12, ticks

@@ -55,6 +55,20 @@ def test_unknown_key_message():
         "unknown key zzz; valid keys of the config: model, data")
 
 
+def test_a_long_option_list_is_pointed_to_not_printed():
+    """A misspelled option: the suggestion, then the options while they are few, or where they are listed (a line of
+    74 recipe names buried the suggestion)."""
+    assert preflight.listing(["a", "b"], "data options") == "data options: a, b"
+    many = [f"r{i}" for i in range(preflight.LISTED_AT_MOST + 1)]
+    assert preflight.listing(many, "recipes") == "`kvcalib run --help` lists the recipes"
+    assert preflight.unknown_option_message("quant", "kvqant-4b") == (
+        "unknown recipe quant=kvqant-4b (no conf/quant/kvqant-4b.yaml); did you mean kvquant-4b or kvquant-3b or "
+        "kvquant-2b? (near but evaluation-only, for eval.recipes=[...]: kvquant-4b+rot, kvquant-4b-1pct+rot) "
+        "`kvcalib run --help` lists the recipes a run exports")
+    assert preflight.unknown_option_message("data", "lokal") == (
+        "unknown data data=lokal (no conf/data/lokal.yaml); did you mean local? data options: embedded, hub, local")
+
+
 def test_to_typed_refuses_an_added_key_with_the_same_message():
     """`+key=value` that reaches the composed config (Hydra adds it): the schema's refusal names the nearest key."""
     from hydra import compose, initialize_config_dir

@@ -382,3 +382,44 @@ def test_every_string_of_the_summary_is_printed_escaped(tmp_path):
         escaped = "x\\x1b[2J\\x1b[31mPASSED\\nfake line"
         assert f"on {escaped} windows" in text and f"model: /models/{escaped})" in text
         assert re.search(rf"^{re.escape(escaped)} +- \(Python\)", text, re.M), text
+
+
+# ---- the model's own sanity, and intervals of too few windows (issue 69) ------------------------------------------
+
+def _with_fp16_ppl(ppl, vocab=49152, windows=8):
+    ev = SUMMARY["evaluation"]
+    return {**SUMMARY, "model": {**SUMMARY["model"], "vocab_size": vocab},
+            "evaluation": {**ev, "windows": windows, "recipes": {**ev["recipes"], "fp16": {**row(16.0, 1.0), "ppl": ppl}}}}
+
+
+def test_a_run_whose_model_predicts_at_chance_is_said_so_above_the_table(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps(_with_fp16_ppl(50701.0)))
+    lines = recommend_main([str(tmp_path)]).splitlines()
+    assert lines[0].startswith("warning: the model predicts at chance: fp16 perplexity 50,701 on a 49,152-token "
+                               "vocabulary") and lines[1].startswith("vLLM KV-cache formats evaluated")
+    (tmp_path / "summary.json").write_text(json.dumps(_with_fp16_ppl(23.7)))   # SmolLM2's
+    assert "warning" not in recommend_main([str(tmp_path)])
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s["model"].update(vocab_size="49152"),
+     r"summary.json field model/vocab_size: allowed an integer >= 1 or null, got str '49152'"),
+    (lambda s: s["model"].update(vocab_size=True), r"model/vocab_size: allowed an integer >= 1 or null, got bool"),
+    (lambda s: s["evaluation"]["recipes"]["fp16"].update(ppl=[1]),
+     r"evaluation/recipes/fp16/ppl: allowed a number or null, got list \[1\]"),
+])
+def test_the_figures_the_sanity_check_reads_are_checked(tmp_path, edit, message):
+    summary = _with_fp16_ppl(50701.0)
+    edit(summary)
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(UserError, match=message):
+        recommend_main([str(tmp_path)])
+
+
+def test_an_interval_of_fewer_than_four_windows_is_said_to_be_none():
+    few = format_recommendation(recommend(_with_fp16_ppl(23.7, windows=2), "cpu"))
+    fp16 = next(line for line in few.splitlines() if line.startswith("fp16 "))
+    assert "[0.9900, 1.0100] (2 windows: not an interval)" in fp16
+    header = next(line for line in few.splitlines() if line.startswith("recipe "))
+    assert header.index("verdict") == fp16.index("within gate")   # the column widens with it
+    assert "not an interval" not in format_recommendation(recommend(_with_fp16_ppl(23.7, windows=4), "cpu"))

@@ -146,3 +146,69 @@ def test_store_is_atomic_when_the_write_fails(tmp_path, monkeypatch):
         cache.store("a", "k1", StageResult({"x": torch.zeros(2)}, {}))
     assert cache.load("a", "k1") is None
     assert not any((tmp_path / "a").iterdir())
+
+
+def test_usage_counts_what_other_processes_take():
+    """A block that sleeps while another process spins: the spinner's CPU seconds are the others' (it is waited for
+    only after the block, so its time is never this process's children's)."""
+    import time
+
+    import psutil
+
+    from pipeline.runner import Usage
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # the interpreter started
+        with Usage() as use:
+            time.sleep(1.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert 1.4 < use.wall_s < 5
+    assert use.others_cpu * (psutil.cpu_count() or 1) >= 0.6  # at least ~one CPU taken by someone else
+    assert use.peak > 0
+
+
+def test_busy_line_names_the_share_and_the_slower_step():
+    from pipeline.runner import busy_line
+
+    assert busy_line([(10.0, 0.1), (30.0, 0.2)]) is None  # 17.5% of the CPUs: quiet enough
+    line = busy_line([(10.0, 0.1), (30.0, 0.6)])  # 47.5%
+    assert line.startswith("the machine was busy: other processes took 48% of the")
+    record = {"wall_s": 40.0, "date": "2026-12-07 10:00"}
+    assert busy_line([(1.0, 0.0)], [("runtime check", 79.0, record)]) is None  # 1.98x: not twice
+    assert busy_line([(1.0, 0.0)], [("runtime check", 6.0, {"wall_s": 2.0, "date": "x"})]) is None  # 4 s longer only
+    line = busy_line([(1.0, 0.0)], [("runtime check", 120.0, record)])
+    assert "runtime check took 120.0 s, 3.0x its 40.0 s on 2026-12-07 10:00 for the same inputs" in line
+
+
+def test_steps_are_listed_timed_and_compared_with_their_quiet_record(tmp_path):
+    from pipeline.runner import Usage
+
+    runner = Runner(tmp_path, "m", "d", log=lambda s: None, show_progress=False)
+    runner.run(_graph([], Knob(), Knob()))
+    with runner.step("export", "inputs-1"):
+        pass
+    quiet = Usage()
+    quiet.wall_s, quiet.others_cpu, quiet.peak = 3.0, 0.0, 2**20
+    runner.add_step("runtime check", quiet, "inputs-1")
+    table = runner.table().splitlines()
+    assert table[0].split() == ["stage", "status", "wall_s", "peak_rss_mb", "others_cpu"]
+    assert [line.split()[0] for line in table[2:]] == ["a", "b", "c", "export", "runtime"]
+    assert table[-1].split()[2:] == ["ran", "3.0", "1", "0%"]
+    assert table[-2].split()[-1] == "-"  # a share over a block this short is not a figure
+    # a step taken before the stages ran is listed first
+    first = Runner(tmp_path / "other", "m", "d", log=lambda s: None, show_progress=False)
+    first.add_step("load model", quiet)
+    first.run(_graph([], Knob(), Knob()))
+    assert [line.split()[0] for line in first.table().splitlines()[2:]] == ["load", "a", "b", "c"]
+    assert runner.cache.timing("runtime check", "inputs-1")["wall_s"] == 3.0
+    # the same inputs again, 4x slower: named; a busy run's time never becomes the record
+    later = Runner(tmp_path, "m", "d", log=lambda s: None, show_progress=False)
+    slow = Usage()
+    slow.wall_s, slow.others_cpu, slow.peak = 12.0, 0.5, 2**20
+    later.add_step("runtime check", slow, "inputs-1")
+    assert "runtime check took 12.0 s, 4.0x its 3.0 s on" in later.busy_note()
+    assert later.cache.timing("runtime check", "inputs-1")["wall_s"] == 3.0
+    assert later.cache.timing("runtime check", "inputs-2") is None

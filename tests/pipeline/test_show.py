@@ -61,3 +61,23 @@ def test_the_recorded_check_is_shown_as_the_artifacts_claim(make_artifact, forge
     out = show_artifact(forge(path, checked))
     assert "claimed by the artifact, not a result: `kvcalib check ARTIFACT` measures it" in out
     assert "canary     claimed ok: KL 0.001" in out and "(re-measured by `kvcalib check`)" in out
+
+
+def test_show_says_when_the_recorded_model_predicts_at_chance(export_recipe, forge, tmp_path):
+    """From the manifest alone: its fp16 row's perplexity against its model's vocab_size (pipeline.sanity); an artifact
+    made before vocab_size was recorded is judged on nothing and says nothing."""
+    row = {"ppl": 50701.0, "ppl_ratio": 1.0, "avg_bits": 16.0}
+    random_model = export_recipe("kvquant-4b-1pct", tmp_path / "random",
+                                 {"fp16": row, "kvquant-4b-1pct": {**row, "ppl": 50705.0, "avg_bits": 4.7}})
+    lines = show_artifact(random_model).splitlines()
+    warning = next(i for i, line in enumerate(lines) if line.startswith("warning    "))
+    assert lines[warning].startswith("warning    the model predicts at chance: fp16 perplexity 50,701 on a "
+                                     "49,152-token vocabulary")
+    assert lines[warning + 1].startswith("evaluation ppl 50705.000")   # right above the figures it puts in doubt
+    sane = export_recipe("kvquant-4b-1pct", tmp_path / "sane", {"fp16": {**row, "ppl": 25.0}})
+    assert "warning" not in show_artifact(sane)
+
+    def made_before(m):
+        del m["model"]["vocab_size"]
+
+    assert "warning" not in show_artifact(forge(random_model, made_before, rebind=True))

@@ -23,12 +23,16 @@ import torch
 from pipeline.errors import EXIT_UNREACHABLE, EXIT_USER
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model=tiny", "data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
-        "traces.reservoir_size=16"]
-# the recorded run keeps every section tracking logs (evaluation, export, runtime check) and skips the rest;
-# runs that test only the tracking mechanics skip the runtime check too
-RECORDED = ["quant=fp16", "sensitivity.enabled=false", "probes.enabled=false"]
-LEAN = [*RECORDED, "check.enabled=false"]
+SMALL = ["data.n_samples=2", "data.seq_len=32", "data.eval_n_samples=1", "data.eval_seq_len=32",
+         "traces.reservoir_size=16"]
+TINY = ["model=tiny", *SMALL]
+# the recorded run keeps every section tracking logs (evaluation, export, runtime check) and skips the rest; it is
+# a user's own run (`kvcalib run model=llama3 model.path=DIR preset=quick`, a Llama folder saved by save_pretrained,
+# the default recipe, the default store ./mlruns.db); runs that test only the tracking mechanics skip the runtime
+# check too, on the fp16 recipe
+SKIPPED = ["sensitivity.enabled=false", "probes.enabled=false"]
+RECORDED = ["model=llama3", "model.dtype=float32", "model.device=cpu", "preset=quick", *SMALL, *SKIPPED]
+LEAN = ["quant=fp16", *SKIPPED, "check.enabled=false"]
 PLUS = "kvquant-4b+sink16+recent128"  # a recipe whose name MLflow's keys cannot hold (`+`)
 # the run folder's report as pipeline/analysis.py writes it, and a file beside it that is not the report's
 REPORT = {"report.md": b"# kvcalib report\n\n![frontier](frontier.png) ![kl](heatmap_kl.png)\n",
@@ -107,7 +111,18 @@ class Launched:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def own_llama(tiny, tmp_path_factory):
+    """A user's Llama folder, my-llama/: the session's tiny random LlamaForCausalLM and its tokenizer, saved with
+    save_pretrained (config.json, model.safetensors, tokenizer files)."""
+    folder = tmp_path_factory.mktemp("user") / "my-llama"
+    assert type(tiny.model).__name__ == "LlamaForCausalLM"
+    tiny.model.save_pretrained(str(folder))
+    tiny.tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, own_llama):
     """The module's one tracking server and every pipeline subprocess its tests read back."""
     root = tmp_path_factory.mktemp("tracking")
     (root / "server").mkdir()
@@ -118,8 +133,9 @@ def launched(tmp_path_factory):
         for required in ("true", "false"):  # these need no server: start them while it boots
             runs.start(f"unreachable-{required}", ["run", *TINY, *LEAN, f"tracking.uri={nowhere}",
                                                    f"tracking.required={required}"])
+        # the default store, ./mlruns.db in its working directory: no server either
+        runs.start("recorded", ["run", *RECORDED, f"model.path={own_llama}", "tracking.experiment=recorded"])
         _wait_healthy(server, url, root / "server" / "server.log")
-        runs.start("recorded", ["run", *TINY, *RECORDED, f"tracking.uri={url}", "tracking.experiment=recorded"])
         runs.start("failing", ["run", *TINY, "traces.reservoir_size=0", f"tracking.uri={url}",
                                "tracking.experiment=failing"])
         runs.start("sweep", ["run", "-m", *TINY, *LEAN, "traces.seed=0,1", "hydra/launcher=joblib",
@@ -149,11 +165,23 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def recorded(launched):
-    """The tiny pipeline run recorded on the server: (completed process, run id, working directory)."""
+    """The user's run recorded in its default store: (completed process, run id, working directory)."""
     out = launched.result("recorded")
     assert out.returncode == 0, out.stderr[-3000:]
     (run_id,) = _run_ids(out.stdout)
     return out, run_id, launched.cwds["recorded"]
+
+
+@pytest.fixture(scope="module")
+def recorded_store(recorded):
+    """The URI of the recorded run's store: ./mlruns.db of its working directory, as an absolute sqlite URI."""
+    return f"sqlite:///{recorded[2]}/mlruns.db"
+
+
+@pytest.fixture(scope="module")
+def recorded_client(recorded_store):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=recorded_store)
 
 
 def _windows():
@@ -456,20 +484,23 @@ def test_unresponsive_store_fails_in_seconds():
 
 # ------------------------------------------------------------------------------------------------- server
 
-def test_pipeline_run_is_recorded(recorded, client):
+def test_pipeline_run_is_recorded(recorded, recorded_client):
     proc, run_id, cwd = recorded
+    client = recorded_client
     run = client.get_run(run_id)
     params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
-    assert run.info.status == "FINISHED" and run.info.run_name.startswith(f"tiny-{params['quant.name']}-")
-    assert params["model.name"] == "tiny" and params["traces.reservoir_size"] == "16"
+    assert run.info.status == "FINISHED" and run.info.run_name.startswith(f"my-llama-{params['quant.name']}-")
+    assert params["traces.reservoir_size"] == "16"
     assert params["data.seq_len"] == "32" and params["tracking.experiment"] == "recorded"
     summary = json.loads(Path(tags["run_dir"], "summary.json").read_text())
+    from pipeline.tracking import metric_name  # the default recipe's `+` is written `_` in keys
     for stage in summary["stages"]:
-        assert metrics[f"stage.{stage['name']}.wall_s"] == pytest.approx(stage["wall_s"])
-        assert metrics[f"stage.{stage['name']}.peak_rss_mb"] == pytest.approx(stage["peak_rss_mb"])
-        assert tags[f"stage.{stage['name']}.key"] == stage["key"]
+        name = metric_name(stage["name"])
+        assert metrics[f"stage.{name}.wall_s"] == pytest.approx(stage["wall_s"])
+        assert metrics[f"stage.{name}.peak_rss_mb"] == pytest.approx(stage["peak_rss_mb"])
+        assert tags[f"stage.{name}.key"] == stage["key"]
     for recipe, row in summary.get("evaluation", {}).get("recipes", {}).items():
-        assert metrics[f"eval.{recipe}.ppl"] == pytest.approx(row["ppl"])
+        assert metrics[f"eval.{metric_name(recipe)}.ppl"] == pytest.approx(row["ppl"])
     assert tags["model_sha256"] == summary["model"]["model_sha256"]
     assert tags["tokenizer_sha256"] == summary["model"]["tokenizer_sha256"]
     assert tags["calib_sha256"] == summary["data"]["calib_sha256"]
@@ -488,9 +519,9 @@ def test_pipeline_run_is_recorded(recorded, client):
     assert {"report/report.md", "report/frontier.png"} <= files
     assert tags["recipes"] == recipes_tag(summary["evaluation"]["recipes"])
     assert tags["model_name"] == summary["model"]["name"]  # the model's own name and where it came from
-    assert (tags["model_source"], tags["model_config"]) == (summary["model"]["source"]["kind"], "tiny")
+    assert (tags["model_source"], tags["model_config"]) == (summary["model"]["source"]["kind"], "llama3")
     if "evaluation" in summary:
-        assert {"evaluation/table.csv", "evaluation/table.md", "plots/ppl_vs_bits.png"} <= files
+        assert {"evaluation/table.csv", "evaluation/table.md"} <= files
     if "runtime_check" in summary:
         assert tags["runtime_check_status"] == str(summary["runtime_check"]["status"])
         assert metrics["runtime_check.max_abs_err"] == pytest.approx(summary["runtime_check"]["max_abs_err"])
@@ -501,11 +532,72 @@ def test_pipeline_run_is_recorded(recorded, client):
         assert tags["manifest_format_version"] == str(summary["manifest"]["format_version"])
     config = client.download_artifacts(run_id, "config/config.yaml", str(cwd))
     assert "reservoir_size: 16" in Path(config).read_text()
-    assert not (cwd / "mlruns.db").exists()  # the server got everything
+    assert (cwd / "mlartifacts" / "recorded" / run_id / "artifacts" / "summary.json").is_file()  # the default store
 
 
-def test_pipeline_run_logs_its_datasets_and_evaluation_table(recorded, client, tmp_path):
+def test_params_record_the_model_that_was_loaded(recorded, recorded_client, own_llama):
+    """`kvcalib run model=llama3 model.path=DIR`: conf/model/llama3.yaml says `name: llama3`, `source: hub`, but the
+    model loaded is the folder. The params say what was used -- the folder's own name, source local, its absolute
+    path, the config it came through, the dtype its weights were loaded in -- as the tags do (one definition,
+    pipeline.tracking.used_model), and no setting of a source it did not come from (model.tiny.*, model.shape.*)."""
     _, run_id, _ = recorded
+    run = recorded_client.get_run(run_id)
+    params, tags = run.data.params, run.data.tags
+    model = {k: v for k, v in params.items() if k.startswith("model.")}
+    assert model == {"model.name": "my-llama", "model.source": "local", "model.path": str(own_llama.resolve()),
+                     "model.config": "llama3", "model.dtype": "float32", "model.device": "cpu"}
+    assert {k[len("model_"):]: v for k, v in tags.items() if k.startswith("model_") and k != "model_sha256"} == {
+        k[len("model."):]: v for k, v in model.items() if k != "model.device"}
+    summary = json.loads(Path(tags["run_dir"], "summary.json").read_text())
+    assert (summary["model"]["name"], summary["model"]["source"]["kind"]) == ("my-llama", "local")
+
+
+def test_run_params_keep_the_settings_of_the_models_source_only():
+    """A tiny model's params keep model.tiny.* (its shape and seed are the model), an embedded one model.embedded,
+    a hub id its id as path and name; none keeps another source's settings."""
+    from pipeline.config import ModelConfig, RunConfig, load_model_config
+    from pipeline.tracking import run_params
+
+    cfg = RunConfig()
+    cfg.model = load_model_config("tiny")
+    params = run_params(cfg)
+    assert (params["model.name"], params["model.source"], params["model.tiny.n_layers"]) == ("tiny", "tiny", "2")
+    assert not any(k.startswith(("model.shape.", "model.embedded", "model.gguf_file")) for k in params)
+    params = run_params(RunConfig())  # the embedded SmolLM2
+    assert (params["model.source"], params["model.embedded"], params["model.dtype"]) == (
+        "embedded", "smollm2", "float32")
+    assert "model.path" not in params and not any(k.startswith("model.tiny.") for k in params)
+    cfg.model = ModelConfig(name="llama3", source="hub", path="meta-llama/Meta-Llama-3-8B", dtype="bfloat16")
+    params = run_params(cfg)  # HF_HUB_OFFLINE and not cached: no revision
+    assert {k: v for k, v in params.items() if k.startswith("model.")} == {
+        "model.name": "meta-llama/Meta-Llama-3-8B", "model.source": "hub", "model.path": "meta-llama/Meta-Llama-3-8B",
+        "model.config": "llama3", "model.dtype": "bfloat16", "model.device": "cpu"}
+
+
+def test_each_file_is_logged_once(recorded, recorded_client, tmp_path):
+    """Every artifact of the user's run, downloaded: no two paths hold the same bytes. The quality-per-bit frontier
+    is the report's frontier.png (report.md links it), not again plots/ppl_vs_bits.png; Hydra's composed config is
+    the resolved config/config.yaml byte for byte (no interpolation), so it is not logged again under
+    config/hydra/."""
+    import hashlib
+
+    _, run_id, _ = recorded
+    files = _artifacts(recorded_client, run_id)
+    assert files == {  # sensitivity and probes are off: the report has no heatmaps
+        "artifact/manifest.json", "artifact/tensors.safetensors", "config/config.yaml", "config/hydra/hydra.yaml",
+        "config/hydra/overrides.yaml", "summary.json", "evaluation/table.csv", "evaluation/table.md",
+        "evaluation/table.json", "plots/kv_channels/layer_00.png", "plots/kv_channels/layer_01.png",
+        "plots/kv_channels/overview.png", "report/frontier.png", "report/report.md"}
+    local = Path(recorded_client.download_artifacts(run_id, "", str(tmp_path)))
+    paths = {}
+    for name in sorted(files):
+        paths.setdefault(hashlib.sha256((local / name).read_bytes()).hexdigest(), []).append(name)
+    assert [names for names in paths.values() if len(names) > 1] == []
+
+
+def test_pipeline_run_logs_its_datasets_and_evaluation_table(recorded, recorded_client, tmp_path):
+    _, run_id, _ = recorded
+    client = recorded_client
     run = client.get_run(run_id)
     summary = json.loads(Path(run.data.tags["run_dir"], "summary.json").read_text())
     _check_datasets(run, summary["data"], {"calibration": [2, 32], "evaluation": [1, 32]})  # TINY's windows
@@ -521,18 +613,30 @@ def test_every_optional_section_is_recorded(synthetic, client, tmp_path):
     assert tags["runtime_check_status"] == "pass"
     files = _artifacts(client, synthetic)
     assert {"kvcache-export-tiny/manifest.json", "evaluation/table.csv", "evaluation/table.md",
-            "plots/ppl_vs_bits.png", "plots/kv_channels/overview.png"} <= files
+            "plots/kv_channels/overview.png"} <= files
+    assert "plots/ppl_vs_bits.png" not in files  # the report's frontier.png is the frontier
     assert {f for f in files if f.startswith("report/")} == {f"report/{name}" for name in REPORT}
     report = Path(client.download_artifacts(synthetic, "report/report.md", str(tmp_path)))
     assert report.read_bytes() == REPORT["report.md"]
     assert {f for f in files if f.startswith("vllm-checkpoint/")} == {
         f"vllm-checkpoint/{n}" for n in ("config.json", "model.safetensors.index.json", "kv_cache_scales.safetensors",
                                          "tokenizer.json", "kvcalib/checkpoint.json")}  # no weight shard
-    png = Path(client.download_artifacts(synthetic, "plots/ppl_vs_bits.png", str(tmp_path)))
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = _summary(Path("x"))
     _check_datasets(run, summary["data"], {"calibration": [2, 8], "evaluation": [1, 12]})
     _check_table(client, synthetic, summary["evaluation"]["recipes"], tmp_path)
+
+
+def test_a_run_without_a_report_logs_its_frontier_under_plots(server, client, tmp_path):
+    """No report.md in the run folder (no report/ logged): the frontier is drawn as plots/ppl_vs_bits.png, once."""
+    from pipeline.tracking import tracked_run
+
+    (tmp_path / "run").mkdir()
+    with tracked_run(_config(server, experiment="no-report"), tmp_path / "run", log=lambda s: None) as rec:
+        rec.record(_out(tmp_path))
+    files = _artifacts(client, rec.run_id)
+    assert "plots/ppl_vs_bits.png" in files and not any(f.startswith("report/") for f in files)
+    png = Path(client.download_artifacts(rec.run_id, "plots/ppl_vs_bits.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_recipe_is_found_by_its_exact_name(sqlite_run, synthetic, server, client):
@@ -572,18 +676,64 @@ def test_docs_search_snippet_runs_as_written(sqlite_run):
     assert run_id in out.stdout and "11.0" in out.stdout, out.stdout
 
 
-def test_show_prints_lineage(recorded, synthetic, server, client):
+def test_show_prints_lineage(recorded, recorded_store, recorded_client, server):
     from pipeline.errors import UserError
     from pipeline.tracking import show_run
 
     _, run_id, _ = recorded
-    text = show_run(run_id, server)
-    tags = client.get_run(run_id).data.tags
+    text = show_run(run_id, recorded_store)
+    tags = recorded_client.get_run(run_id).data.tags
     for expected in (run_id, "FINISHED", tags["git_sha"], tags["model_sha256"], tags["calib_sha256"],
                      "traces.reservoir_size=16", "traces", "config/config.yaml"):
         assert expected in text
     with pytest.raises(UserError, match="0" * 32):
         show_run("0" * 32, server)
+
+
+def test_show_lists_the_model_loaded_and_only_the_fields_the_recipe_uses(recorded, recorded_store, own_llama):
+    """`show RUN_ID` of the user's run (the default recipe, kvquant-4b+sink16+recent128): the model as loaded (the
+    folder's name, source local, dtype), and of the recipe's fields those it uses -- no engine.* (a serving
+    library's cache), no fp8, rotation, clip or outlier setting it does not have, no smooth / prefix."""
+    from pipeline.tracking import show_run
+
+    _, run_id, _ = recorded
+    lines = show_run(run_id, recorded_store).splitlines()
+    model = lines[lines.index("model") + 1:lines.index("model") + 4]
+    assert model == ["  name              my-llama (config llama3)", f"  source            local {own_llama.resolve()}",
+                     "  dtype             float32"]
+    start = lines.index("  recipe            kvquant-4b+sink16+recent128") + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("  params "))
+    assert lines[start].startswith("  quant             ")
+    assert " ".join(line[20:] for line in lines[start:end]).split() == [
+        "key.format=nuq", "key.bits=4", "key.axis=channel", "value.format=nuq", "value.bits=4", "value.axis=token",
+        "key_rope=pre", "n_sink=16", "residual=128"]
+    assert not any("engine." in line for line in lines)
+
+
+def test_show_lists_smoothing_and_prefix_settings_only_when_the_recipe_has_them():
+    """The `quant` line and what follows it, from a run's params (run_params): a smoothed recipe with a prefix lists
+    the smooth.* and prefix.* settings; a serving library's recipe its engine.* fields alone; params of an older
+    schema (a field today's recipe lacks) every quant.* param, as recorded."""
+    from pipeline.config import RunConfig, load_recipe
+    from pipeline.tracking import _show_recipe, run_params
+
+    cfg = RunConfig()
+    cfg.quant = load_recipe("kvquant-3b-1pct+smooth+prefix")
+    lines = _show_recipe(run_params(cfg))
+    assert lines[-2:] == ["  smooth            alpha=0.5 beta=0.0",
+                          "  prefix            eta=64.0 max_tokens=4 n_tokens=-1"]
+    assert " ".join(line[20:] for line in lines[:-2]).split() == [
+        "key.format=nuq", "key.bits=3", "key.axis=channel", "key.outlier_fraction=0.01", "value.format=nuq",
+        "value.bits=3", "value.axis=token", "value.outlier_fraction=0.01", "key_rope=pre", "n_sink=1", "smooth=True",
+        "prefix=True"]
+    cfg.quant = load_recipe("hf-hqq-2")
+    words = " ".join(line[20:] for line in _show_recipe(run_params(cfg))).split()
+    assert words == ["engine.library=transformers", "engine.backend=hqq", "engine.nbits=2", "engine.axis_key=0",
+                     "engine.axis_value=0", "engine.q_group_size=64", "engine.residual_length=128"]
+    cfg.quant = load_recipe(PLUS)
+    assert not any(line.startswith(("  smooth", "  prefix")) for line in _show_recipe(run_params(cfg)))
+    old = {"quant.name": "x", "quant.key.format": "nuq", "quant.key.codebook_iters": "9"}  # not a field today
+    assert _show_recipe(old) == ["  quant             key.codebook_iters=9 key.format=nuq name=x"]
 
 
 def test_show_lays_out_results_in_aligned_columns(synthetic, server, client):
@@ -759,3 +909,15 @@ def test_llamacpp_rows_become_metrics_with_their_interval():
     assert got == {"llamacpp.q8_0/q4_0.avg_bits": 6.5, "llamacpp.q8_0/q4_0.ppl": 20.4,
                    "llamacpp.q8_0/q4_0.ppl_ratio": 1.02, "llamacpp.q8_0/q4_0.ppl_ratio_lo": 1.01,
                    "llamacpp.q8_0/q4_0.ppl_ratio_hi": 1.03, "llamacpp.q8_0/q4_0.top1": 0.9}
+
+
+def test_show_of_a_run_of_two_evaluation_windows_says_its_intervals_are_none():
+    """`show <run id>`'s evaluation table prints each interval as stages.evaluate.interval_text does: from the run's
+    data.eval_n_samples windows, fewer than 4 said not to be one (issue 69)."""
+    from pipeline.tracking import _show_evaluation
+
+    m = {"eval.fp16.avg_bits": 16.0, "eval.fp16.ppl": 10.0, "eval.fp16.ppl_ratio": 1.0, "eval.fp16.kl": 0.0,
+         "eval.fp16.top1": 1.0, "eval.fp16.ppl_ratio_ci95_lo": 1.0, "eval.fp16.ppl_ratio_ci95_hi": 1.0}
+    two = "\n".join(_show_evaluation({"recipes": ",fp16,"}, m, "128", "2"))
+    assert "[1.0000, 1.0000] (2 windows: not an interval)" in two
+    assert "not an interval" not in "\n".join(_show_evaluation({"recipes": ",fp16,"}, m, "128", "4"))

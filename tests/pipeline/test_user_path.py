@@ -63,6 +63,13 @@ def test_run_show_check_serve_export_recommend_browse(own_model, tmp_path):
     assert summary["manifest"]["sha256"] == sha256_file(artifact / "manifest.json")
     # the run ends with the next steps, each with this run's paths
     assert f"kvcalib check {artifact}" in run.stdout and f"kvcalib recommend {run_dir}" in run.stdout
+    # where the time went: the stage table lists the parts that are not cached stages, each with its seconds
+    table = {line.split()[0] + (" " + line.split()[1] if line.split()[1] != "ran" else ""): line.split()
+             for line in run.stdout.splitlines() if " ran " in line}
+    for step in ("load model", "windows", "export", "runtime check", "quality canary", "report"):
+        assert step in table, (step, run.stdout[-3000:])
+        assert float(table[step][-3]) >= 0 and table[step][-1].endswith("%")
+    assert [s["name"] for s in summary["steps"]][:3] == ["load model", "windows", "export"]
 
     show = kvcalib(["show", str(artifact)], tmp_path)
     assert show.returncode == 0, show.stderr[-2000:]
@@ -74,6 +81,8 @@ def test_run_show_check_serve_export_recommend_browse(own_model, tmp_path):
     assert {p.name: p.read_bytes() for p in artifact.iterdir()} == before  # checking never modifies it
     record = json.loads(Path(after("check record:", check.stdout)).read_text())
     assert record["status"] == "passed"
+    timed = after("time:", check.stdout)  # where check's time went
+    assert "load model" in timed and "runtime check" in timed and "quality canary" in timed, timed
 
     # serve: the README's Python entry, on the user's own folder
     serve = subprocess.run([sys.executable, "-c", (

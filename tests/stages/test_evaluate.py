@@ -296,3 +296,20 @@ def test_the_model_spec_and_the_config_agree_on_windows(tiny_gemma3):
     manifest is written from, the evaluation's ledger from the model's config; they must give the same list."""
     from stages.hooks import layer_windows
     assert tiny_gemma3.spec.layer_windows() == layer_windows(tiny_gemma3.model.config) == [16, None, 16, None]
+
+
+def test_an_interval_of_fewer_than_four_windows_is_said_to_be_none():
+    """The percentile bootstrap over 2 or 3 windows gives the extreme windows' own ratios as its ends (MIN_INTERVAL_
+    WINDOWS): the table says so on every interval it prints, and widens its column for it."""
+    assert evaluate.MIN_INTERVAL_WINDOWS == 4
+    assert evaluate.interval_text([1.00061, 1.00062], 2) == "[1.0006, 1.0006] (2 windows: not an interval)"
+    assert evaluate.interval_text([1.0, 1.1], 1) == "[1.0000, 1.1000] (1 window: not an interval)"
+    assert evaluate.interval_text([1.0, 1.1], 4) == evaluate.interval_text([1.0, 1.1]) == "[1.0000, 1.1000]"
+    assert evaluate.interval_text(None, 2) == "-"
+    fig = {"kl": 0.0, "top1": 1.0, "outlier_fraction_k": 0, "outlier_fraction_v": 0}
+    rows = {"fp16": {**fig, "ppl": 10.0, "avg_bits": 16.0, "ppl_ratio": 1.0, "ppl_ratio_ci95": [1.0, 1.0]},
+            "x": {**fig, "ppl": 10.006, "avg_bits": 4.0, "ppl_ratio": 1.0006, "ppl_ratio_ci95": [1.00061, 1.00062]}}
+    lines = evaluate.table(rows, n_windows=2).splitlines()
+    assert "[1.0006, 1.0006] (2 windows: not an interval)" in lines[3]
+    assert lines[0].index("KL") + 2 == lines[3].index("0.0000") + 6   # KL still under its header
+    assert "not an interval" not in evaluate.table(rows, n_windows=4)

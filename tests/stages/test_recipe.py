@@ -99,3 +99,38 @@ def test_a_rotated_policy_holds_the_signs_its_artifact_stores():
         assert torch.equal(pv.rotation_signs, rht_signs(32)) and pk.rotation_signs is None
         assert static_bits(pv) == 32 * 32 and static_bits(pk) == 0
     assert all(pv.rotation_signs is None for _, pv in recipe.build_policy(q, 3, {}).layers)
+
+
+@pytest.mark.parametrize("name,fields", [
+    ("fp16", ["key.format", "value.format"]),   # nothing quantized: no bits, axis or key_rope to choose
+    ("kvquant-4b+sink16+recent128", ["key.format", "key.bits", "key.axis", "value.format", "value.bits",
+                                     "value.axis", "key_rope", "n_sink", "residual"]),
+    ("kivi-2", ["key.format", "key.bits", "key.axis", "key.group_size", "value.format", "value.bits", "value.axis",
+                "key_rope", "residual"]),   # group_size on the grouped (per-channel uniform) keys only
+    ("fp8-e4m3", ["key.format", "key.axis", "key.fp8_dtype", "key.fp8_rounding", "value.format", "value.axis",
+                  "value.fp8_dtype", "value.fp8_rounding", "key_rope"]),   # fp8 is 8 bits: no bits to choose
+    ("kvquant-3b-1pct+smooth+prefix", ["key.format", "key.bits", "key.axis", "key.outlier_fraction", "value.format",
+                                       "value.bits", "value.axis", "value.outlier_fraction", "key_rope", "n_sink",
+                                       "smooth", "prefix"]),
+    ("kvquant-2b+sink16+recent32+rotclipv", ["key.format", "key.bits", "key.axis", "value.format", "value.bits",
+                                             "value.axis", "value.rotation", "value.clip", "key_rope", "n_sink",
+                                             "residual"]),
+    ("vllm-turboquant-k3v4-nc", ["key.format", "key.bits", "key.norm_correction", "value.format", "value.bits",
+                                 "key_rope", "full_precision_layers"]),
+    ("hf-hqq-2", ["engine.library", "engine.backend", "engine.nbits", "engine.axis_key", "engine.axis_value",
+                  "engine.q_group_size", "engine.residual_length"]),   # the library's cache: its fields alone
+])
+def test_recipe_fields_are_the_ones_the_recipe_uses(name, fields):
+    """What `show RUN_ID` lists of a recipe: its format's fields (an engine's only for a library's cache), the
+    settings that are on, never a field the recipe leaves unused."""
+    assert recipe.recipe_fields(load_recipe(name)) == fields
+
+
+def test_every_shipped_recipe_lists_its_format_and_no_engine_field_unless_it_is_an_engine():
+    for name in recipe_names():
+        q, listed = load_recipe(name), recipe.recipe_fields(load_recipe(name))
+        if q.engine.library:
+            assert all(f.startswith("engine.") for f in listed), name
+        else:
+            assert listed[:1] == ["key.format"] and "value.format" in listed, name
+            assert not any(f.startswith("engine.") for f in listed), name
