@@ -68,7 +68,8 @@ def test_run_show_check_serve_export_recommend_browse(own_model, tmp_path):
              for line in run.stdout.splitlines() if " ran " in line}
     for step in ("load model", "windows", "export", "runtime check", "quality canary", "report"):
         assert step in table, (step, run.stdout[-3000:])
-        assert float(table[step][-3]) >= 0 and table[step][-1].endswith("%")
+        wall, share = float(table[step][-3]), table[step][-1]
+        assert wall >= 0 and (share.endswith("%") or (share == "-" and wall <= 0.5))  # no share of a blip
     assert [s["name"] for s in summary["steps"]][:3] == ["load model", "windows", "export"]
 
     show = kvcalib(["show", str(artifact)], tmp_path)
