@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=2 << 30, help="kv_cache_memory_bytes of both runs")
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="cProfile the decode steps of both runs (under the profiler: their rates are not the "
+                         "figures): PREFIX.<auto|packed>.b<batch>, and the top functions of each printed")
     args = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)  # noqa: E731
     from transformers import AutoTokenizer
@@ -54,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     job = {"windows": [], "prompts": [], "max_new_tokens": 0, "scales_only": False, "prefix_caching": False,
            "decode": {"prompt": prompts[0], "new_tokens": args.tokens, "repeats": 2, "batch": args.batch,
                       "batch_prompts": prompts}}
+    if args.profile:
+        job["decode"]["profile"] = str(Path(args.profile).resolve())
     runs = {}
     with tempfile.TemporaryDirectory(prefix="kvcalib-vllm-decode-") as tmp:
         work = Path(tmp)
@@ -79,11 +84,29 @@ def main(argv: list[str] | None = None) -> int:
     stats = p.get("plugin_stats", {})
     log(f"plugin: {stats.get('kernel_calls', 0)} kernel launches, {stats.get('kernel_rows', 0)} sequence-layer reads "
         f"through them, {stats.get('rows_calls', 0)} prefill chunks")
+    if args.profile:
+        show_profiles(args.profile, [r[0] for r in rows], log)
     write_json(args.json, {"checkpoint": str(ckpt), "context": args.context, "tokens": args.tokens,
                            "dtype": args.dtype, "kv_cache_memory_bytes": args.kv_bytes, "rows": out,
                            "plugin_stats": stats, "vllm_version": p.get("vllm_version")})
     log(f"bench.vllm_decode: {time.perf_counter() - t_start:.0f} s")
     return 0
+
+
+def show_profiles(prefix: str, batches: list[str], log, top: int = 25) -> None:
+    """The functions of each profiled run by their own time (the plugin's Python, the C kernel's call
+    `kvcalib_decode`, vLLM's attention and the model's matmuls), per decode step."""
+    import io
+    import pstats
+
+    for kind in ("auto", "packed"):
+        for b in batches:
+            path = Path(f"{prefix}.{kind}.b{b}")
+            if not path.exists():
+                continue
+            buf = io.StringIO()
+            pstats.Stats(str(path), stream=buf).sort_stats("tottime").print_stats(top)
+            log(f"\n-- profile of {kind}, batch {b} ({path}):\n" + buf.getvalue().split("\n", 6)[-1])
 
 
 if __name__ == "__main__":

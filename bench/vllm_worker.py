@@ -82,7 +82,30 @@ def plugin_state():
     return vllm_backend
 
 
-def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
+class _Profile:
+    """cProfile around the decode steps alone when the job names a file (decode "profile": PATH + suffix), else
+    nothing: a step is `with prof.on(is_decode):` ... and the stats are dumped (marshal) at the end."""
+
+    def __init__(self, path: str | None) -> None:
+        import cProfile
+
+        self.path, self.prof = path, cProfile.Profile() if path else None
+
+    def step(self, engine, timed: bool):
+        if self.prof is None or not timed:
+            return engine.step()
+        self.prof.enable()
+        try:
+            return engine.step()
+        finally:
+            self.prof.disable()
+
+    def dump(self) -> None:
+        if self.prof is not None:
+            self.prof.dump_stats(self.path)
+
+
+def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int, profile: str | None = None) -> dict:
     """Decode tokens per second after `prompt`, timed step by step through the engine (LLMEngine.add_request, then
     step() until done): the steps after the one that emits the first token each decode one token; their wall time
     is the decode time (the prefill steps are reported apart). Best of `repeats` requests, one at a time."""
@@ -91,13 +114,14 @@ def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
 
     engine = llm.llm_engine
     best = None
+    prof = _Profile(profile)
     for r in range(repeats):
         engine.add_request(f"decode-rate-{r}", TokensPrompt(prompt_token_ids=prompt),
                            SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True))
         steps, emitted = [], 0
         while engine.has_unfinished_requests():
             t0 = time.perf_counter()
-            outs = engine.step()
+            outs = prof.step(engine, emitted > 0 and r == repeats - 1)
             dt = time.perf_counter() - t0
             n = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs) if outs else emitted
             steps.append((dt, n > emitted and emitted > 0))   # a step that added a token after the first
@@ -108,10 +132,11 @@ def decode_rate(llm, prompt: list[int], new_tokens: int, repeats: int) -> dict:
                "tokens_per_s": len(decode) / max(sum(decode), 1e-9)}
         if best is None or row["tokens_per_s"] > best["tokens_per_s"]:
             best = row
+    prof.dump()
     return best
 
 
-def decode_rate_batch(llm, prompt, new_tokens: int, batch: int) -> dict:
+def decode_rate_batch(llm, prompt, new_tokens: int, batch: int, profile: str | None = None) -> dict:
     """Decode tokens per second of `batch` requests served together -- of `prompt` each, or of prompt[r] (a list of
     prompts: distinct requests, whose blocks no prefix cache shares): the steps after every request has its first
     token each decode one token per request; their wall time is the decode time."""
@@ -125,10 +150,11 @@ def decode_rate_batch(llm, prompt, new_tokens: int, batch: int) -> dict:
                            SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True))
     counts: dict = {}
     decode_s, prefill_s, decoded = 0.0, 0.0, 0
+    prof = _Profile(profile)
     while engine.has_unfinished_requests():
         started = len(counts) == batch and all(c > 0 for c in counts.values())
         t0 = time.perf_counter()
-        outs = engine.step()
+        outs = prof.step(engine, started)
         dt = time.perf_counter() - t0
         before = sum(counts.values())
         for o in outs or []:
@@ -139,6 +165,7 @@ def decode_rate_batch(llm, prompt, new_tokens: int, batch: int) -> dict:
             decoded += sum(counts.values()) - before
         else:
             prefill_s += dt
+    prof.dump()
     return {"context": len(prompts[0]), "batch": batch, "new_tokens": decoded, "prefill_s": prefill_s,
             "decode_s": decode_s, "tokens_per_s": decoded / max(decode_s, 1e-9)}
 
@@ -192,10 +219,13 @@ def run_one(checkpoint: str, run: dict, job: dict) -> dict:
         out["passkeys"] = greedy(llm, [p["prompt"] for p in job["passkeys"]], max(len(p["answer"])
                                                                                 for p in job["passkeys"]))
     if decode and not job.get("scales_only"):
-        out["decode"] = decode_rate(llm, decode["prompt"], decode["new_tokens"], decode.get("repeats", 2))
+        prof = decode.get("profile")   # PATH: cProfile of the decode steps, PATH.<run>.b1 / .b<batch>
+        out["decode"] = decode_rate(llm, decode["prompt"], decode["new_tokens"], decode.get("repeats", 2),
+                                    prof and f"{prof}.{run['name']}.b1")
         if decode.get("batch", 1) > 1:
             out["decode_batch"] = decode_rate_batch(llm, decode.get("batch_prompts") or decode["prompt"],
-                                                    decode["new_tokens"], decode["batch"])
+                                                    decode["new_tokens"], decode["batch"],
+                                                    prof and f"{prof}.{run['name']}.b{decode['batch']}")
     if plugin is not None:
         out["plugin_stats"] = json.loads(json.dumps(plugin.STATS))
     del llm

@@ -71,7 +71,7 @@ def flags() -> tuple[str, ...]:
             raise OSError(f"KVCALIB_KERNEL_SANITIZE must be one of {sorted(SANITIZERS)}, got {sanitize!r}")
         out += SANITIZERS[sanitize]
     return out
-ABI = 4
+ABI = 5
 CHUNK = 512          # rows per work item: a page's rows are cut into runs of at most this many
 
 
@@ -83,7 +83,8 @@ class _Side(ctypes.Structure):
 
 class _Rows(ctypes.Structure):
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_int64 * 4),
-                ("vs", ctypes.c_int64 * 4), ("n", ctypes.c_int64)]
+                ("vs", ctypes.c_int64 * 4), ("n", ctypes.c_int64), ("first", ctypes.c_int64),
+                ("ring", ctypes.c_int64)]
 
 
 class _Enc(ctypes.Structure):
@@ -105,7 +106,8 @@ class _Call(ctypes.Structure):
                 ("scaling", ctypes.c_float), ("lam", ctypes.c_void_p), ("rope", ctypes.c_void_p),
                 ("rope_n", ctypes.c_int64), ("sink", _Rows), ("recent", _Rows), ("ks", _Side), ("vs", _Side),
                 ("klut16", ctypes.c_float * 16), ("vlut16", ctypes.c_float * 16), ("split_v", ctypes.c_int32),
-                ("page_b", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("recents", ctypes.c_void_p)]
+                ("page_b", ctypes.c_void_p), ("sinks", ctypes.c_void_p), ("recents", ctypes.c_void_p),
+                ("byte_f", ctypes.c_void_p), ("half_f", ctypes.c_void_p), ("base", ctypes.c_int64)]
 
 
 # ---- build and load ------------------------------------------------------------------------------------------
@@ -196,6 +198,8 @@ def _load() -> ctypes.CDLL | None:
             lib.kvcalib_decode.restype = ctypes.c_int
             lib.kvcalib_encode.argtypes = [ctypes.POINTER(_Enc)]
             lib.kvcalib_encode.restype = ctypes.c_int64
+            if os.environ.get("KVCALIB_KERNEL_FUSED") == "0":   # the general path only (fused_path; an A/B)
+                lib.kvcalib_set_fast(0)
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
             lib, reason = None, f"{type(exc).__name__}: {exc}"
     if lib is None:
@@ -207,6 +211,15 @@ def _load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _load() is not None
+
+
+def fused_path(on: bool) -> None:
+    """Take (the default) or skip the library's fused path for head_dim 64 pages (decode_attention.c
+    run_page_fast64), whose output is bit for bit the general path's: the tests compare the two."""
+    lib = _load()
+    if lib is None:
+        raise InputError(f"the CPU kernel is not available: {_LIB['reason']}")
+    lib.kvcalib_set_fast(int(bool(on)))
 
 
 def status() -> dict:
@@ -391,7 +404,8 @@ def _make_side(p, flags: dict, n_kv: int, d: int) -> tuple[_Side, list]:
 def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scaling: float, key_policy, value_policy,
            outliers: tuple[int, int], rope: torch.Tensor | None, sink: "_Rows", recent: "_Rows",
            lam: torch.Tensor | None, chunk: int, threads: int, keep: list, split: bool = False,
-           page_b: torch.Tensor | None = None, sinks: list | None = None, recents: list | None = None) -> torch.Tensor:
+           page_b: torch.Tensor | None = None, sinks: list | None = None, recents: list | None = None,
+           relative: tuple | None = None) -> torch.Tensor:
     """One kvcalib_decode call: the page table [n_pages, N_PAGE] int64 (serving/pages.py's fields), queries
     q [B, H_q, D], the policies' static tensors, which sides store outliers (0: none, 1: lists at int64 offsets,
     2: at int16 offsets -- a page's own pool, exporters/vllm_slots.py), the RoPE table [N, 2, D / 2] (pre-RoPE
@@ -400,61 +414,102 @@ def launch(table: torch.Tensor, n_pages: int, q: torch.Tensor, h_kv: int, scalin
     entry to the library's decode, for the serving cache (decode_attention) and the vLLM plugin
     (serving/vllm_backend.py: every decoding sequence of a step in one call -- page_b [n_pages] int64, each page's
     sequence, its pages of its own; sinks / recents, B _Rows each, every sequence's own fp16 rows in place of
-    sink / recent)."""
-    lib = _load()   # loaded once (a caller that never asked available() first still gets it)
-    if lib is None:
-        raise InputError(f"the CPU kernel is not available: {_LIB['reason']}")
-    if q.dim() != 3 or h_kv < 1 or q.shape[1] % h_kv or q.shape[1] // h_kv > lib.kvcalib_max_g():
-        raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}, at "
-                         f"most {lib.kvcalib_max_g()} per kv head; got {list(q.shape)}")
-    b, h_q, d = q.shape
-    if d % 2 or not 2 <= d <= lib.kvcalib_max_d():
-        raise InputError(f"queries: head_dim must be even and in [2, {lib.kvcalib_max_d()}] for the CPU kernel, "
-                         f"got {d}")
-    if (table.dtype != torch.int64 or not table.is_contiguous() or table.device.type != "cpu"
-            or not 0 <= n_pages * N_PAGE <= table.numel()):
-        raise InputError(f"page table: the CPU kernel reads n_pages={n_pages} rows of {N_PAGE} int64 fields, "
-                         f"contiguous on the CPU; got {table.dtype} of {table.numel()} entries on {table.device}")
-    if lam is not None:
-        _need(lam, "smooth (lambda)", (h_kv, d), torch.float32)
-    if rope is not None:  # its length: the library refuses pages past it (-4)
-        _need(rope, "RoPE table", (rope.shape[0] if rope.dim() == 3 else -1, 2, d // 2), torch.float32)
-    q = q.float().contiguous()
-    ks_ = _side(key_policy, side_flags(key_policy), h_kv, d, keep)
-    vs_ = _side(value_policy, side_flags(value_policy), h_kv, d, keep)
-    call = _Call(table.data_ptr(), n_pages, q.data_ptr(), b, h_kv, h_q // h_kv, d, scaling,
-                 None if lam is None else lam.data_ptr(), None if rope is None else rope.data_ptr(),
-                 0 if rope is None else rope.shape[0], sink, recent, ks_, vs_)
-    if any(int(o) not in (0, 1, 2) for o in outliers):
-        raise InputError(f"outliers: allowed 0 (none), 1 (int64 list offsets) or 2 (int16) per side, got {outliers}")
-    call.ks.outliers, call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies of cached structs
-    call.split_v = int(split)
-    if page_b is not None:
-        if page_b.dtype != torch.int64 or not page_b.is_contiguous() or page_b.numel() < n_pages:
-            raise InputError(f"page_b: the CPU kernel reads n_pages={n_pages} int64 sequence indices, contiguous; got "
-                             f"{page_b.dtype} of {page_b.numel()}")
-        call.page_b = page_b.data_ptr()
-    for name, rows in (("sinks", sinks), ("recents", recents)):
-        if rows is not None:
-            if len(rows) != b:
-                raise InputError(f"{name}: the CPU kernel reads one _Rows per sequence (B={b}), got {len(rows)}")
-            arr = (_Rows * b)(*rows)
-            keep.append(arr)
-            setattr(call, name, ctypes.addressof(arr))
-    out = torch.empty(*((2,) if split else ()), b, h_q, d, dtype=torch.float32)
-    rc = lib.kvcalib_decode(ctypes.byref(call), chunk, threads, out.data_ptr())
-    if rc == -4:
-        raise InputError(f"page table: positions run past the RoPE table's {call.rope_n} positions (kvcalib_decode "
-                         f"refused the call)")
-    if rc == -5:
-        raise InputError("stored outliers: a negative outlier count, offset or index (a corrupt page; kvcalib_decode "
-                         "refused it)")
-    if rc == -1:
-        raise InputError(f"kvcalib_decode refused the shapes: B={b}, n_kv_heads={h_kv}, G={h_q // h_kv}, "
-                         f"head_dim={d}, chunk={chunk}, or a page's rows below 0")
-    if rc != 0:
-        raise RuntimeError(f"kvcalib_decode returned {rc}")
-    return out
+    sink / recent; a _Rows may read a ring in place: row i at row (first + i) % ring); relative: (byte_f, half_f,
+    base) -- the table's addresses relative to one cache, field + byte_f * base + half_f * (base / 2), byte_f and
+    half_f [N_PAGE] int64 0 / 1 (a table shared by the layers of a step). A Launcher made for this one call (a
+    caller launching layer after layer keeps one per layer)."""
+    if q.dim() != 3:
+        raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}; got "
+                         f"{list(q.shape)}")
+    run = Launcher(key_policy, value_policy, outliers, rope, lam, h_kv, q.shape[1], q.shape[2], scaling, split)
+    return run(table, n_pages, q, chunk, threads, keep, sink, recent, page_b, sinks, recents, relative)
+
+
+class Launcher:
+    """kvcalib_decode for one layer's policies, RoPE table, smoothing and shape: their checks made and the call's
+    fixed fields set once; a call sets the table, the queries and the rows (launch's contract)."""
+
+    def __init__(self, key_policy, value_policy, outliers: tuple[int, int], rope: torch.Tensor | None,
+                 lam: torch.Tensor | None, h_kv: int, h_q: int, d: int, scaling: float, split: bool = False) -> None:
+        lib = _load()   # loaded once (a caller that never asked available() first still gets it)
+        if lib is None:
+            raise InputError(f"the CPU kernel is not available: {_LIB['reason']}")
+        if h_kv < 1 or h_q % h_kv or h_q // h_kv > lib.kvcalib_max_g():
+            raise InputError(f"queries: the CPU kernel reads [B, H_q, D] with H_q a multiple of n_kv_heads={h_kv}, "
+                             f"at most {lib.kvcalib_max_g()} per kv head; got H_q={h_q}")
+        if d % 2 or not 2 <= d <= lib.kvcalib_max_d():
+            raise InputError(f"queries: head_dim must be even and in [2, {lib.kvcalib_max_d()}] for the CPU kernel, "
+                             f"got {d}")
+        if lam is not None:
+            _need(lam, "smooth (lambda)", (h_kv, d), torch.float32)
+        if rope is not None:  # its length: the library refuses pages past it (-4)
+            _need(rope, "RoPE table", (rope.shape[0] if rope.dim() == 3 else -1, 2, d // 2), torch.float32)
+        if any(int(o) not in (0, 1, 2) for o in outliers):
+            raise InputError(f"outliers: allowed 0 (none), 1 (int64 list offsets) or 2 (int16) per side, got "
+                             f"{outliers}")
+        self.keep: list = [lam, rope]
+        ks_ = _side(key_policy, side_flags(key_policy), h_kv, d, self.keep)
+        vs_ = _side(value_policy, side_flags(value_policy), h_kv, d, self.keep)
+        self.call = _Call(None, 0, None, 0, h_kv, h_q // h_kv, d, scaling, None if lam is None else lam.data_ptr(),
+                          None if rope is None else rope.data_ptr(), 0 if rope is None else rope.shape[0], _Rows(),
+                          _Rows(), ks_, vs_)
+        self.call.ks.outliers, self.call.vs.outliers = int(outliers[0]), int(outliers[1])   # the call's copies
+        self.call.split_v = int(split)
+        self.ref = ctypes.byref(self.call)
+        self.lib, self.h_kv, self.h_q, self.d, self.split = lib, h_kv, h_q, d, split
+
+    def __call__(self, table: torch.Tensor, n_pages: int, q: torch.Tensor, chunk: int, threads: int, keep: list,
+                 sink: "_Rows | None" = None, recent: "_Rows | None" = None, page_b: torch.Tensor | None = None,
+                 sinks=None, recents=None, relative: tuple | None = None) -> torch.Tensor:
+        h_kv, h_q, d = self.h_kv, self.h_q, self.d
+        if q.dim() != 3 or q.shape[1] != h_q or q.shape[2] != d:
+            raise InputError(f"queries: this launch reads [B, {h_q}, {d}]; got {list(q.shape)}")
+        b = q.shape[0]
+        if (table.dtype != torch.int64 or not table.is_contiguous() or table.device.type != "cpu"
+                or not 0 <= n_pages * N_PAGE <= table.numel()):
+            raise InputError(f"page table: the CPU kernel reads n_pages={n_pages} rows of {N_PAGE} int64 fields, "
+                             f"contiguous on the CPU; got {table.dtype} of {table.numel()} entries on {table.device}")
+        q = q.float().contiguous()
+        call = self.call
+        call.pages, call.n_pages, call.q, call.B = table.data_ptr(), n_pages, q.data_ptr(), b
+        call.sink = sink if sink is not None else _Rows()
+        call.recent = recent if recent is not None else _Rows()
+        call.page_b = call.sinks = call.recents = call.byte_f = call.half_f = None
+        call.base = 0
+        if page_b is not None:
+            if page_b.dtype != torch.int64 or not page_b.is_contiguous() or page_b.numel() < n_pages:
+                raise InputError(f"page_b: the CPU kernel reads n_pages={n_pages} int64 sequence indices, contiguous; "
+                                 f"got {page_b.dtype} of {page_b.numel()}")
+            call.page_b = page_b.data_ptr()
+        for name, rows in (("sinks", sinks), ("recents", recents)):
+            if rows is not None:
+                if len(rows) != b:
+                    raise InputError(f"{name}: the CPU kernel reads one _Rows per sequence (B={b}), got {len(rows)}")
+                arr = rows if isinstance(rows, ctypes.Array) else (_Rows * b)(*rows)
+                keep.append(arr)
+                setattr(call, name, ctypes.addressof(arr))
+        if relative is not None:
+            byte_f, half_f, base = relative
+            for f in (byte_f, half_f):
+                if f.dtype != torch.int64 or not f.is_contiguous() or f.numel() != N_PAGE:
+                    raise InputError(f"relative: the CPU kernel reads two [{N_PAGE}] int64 field masks, got {f.dtype} "
+                                     f"of {f.numel()}")
+            keep += [byte_f, half_f]
+            call.byte_f, call.half_f, call.base = byte_f.data_ptr(), half_f.data_ptr(), int(base)
+        out = torch.empty(*((2,) if self.split else ()), b, h_q, d, dtype=torch.float32)
+        rc = self.lib.kvcalib_decode(self.ref, chunk, threads, out.data_ptr())
+        if rc == -4:
+            raise InputError(f"page table: positions run past the RoPE table's {call.rope_n} positions "
+                             f"(kvcalib_decode refused the call)")
+        if rc == -5:
+            raise InputError("stored outliers: a negative outlier count, offset or index (a corrupt page; "
+                             "kvcalib_decode refused it)")
+        if rc == -1:
+            raise InputError(f"kvcalib_decode refused the shapes: B={b}, n_kv_heads={h_kv}, G={h_q // h_kv}, "
+                             f"head_dim={d}, chunk={chunk}, or a page's rows below 0")
+        if rc != 0:
+            raise RuntimeError(f"kvcalib_decode returned {rc}")
+        return out
 
 
 def decode_attention(inp: DecodeInputs, chunk: int = CHUNK, threads: int | None = None,
@@ -636,43 +691,76 @@ def encode_into(x: torch.Tensor, p, start: int, rope: torch.Tensor | None, codes
     addresses: packed codes [H, bytes], fp16 scale / zero [H] (per-token formats), at most `cap` outliers (int16
     index h * D + d, fp16 value) in store's order -- the fields of one slot of exporters/vllm_slots.py. count: an
     int16 scratch [1]. -> the outliers written, or -1 when they exceed cap (the codes and scales are written
-    anyway; the caller stores the token another way). The policy must be one encode_rows takes."""
-    consts = _encoder_consts(p)
-    if consts is None:
-        raise InputError(f"encode_into: the CPU encoder does not take a {p.format} {p.axis} policy (rotation "
-                         f"{p.rotation}, clip {p.clip}, {p.bits} bits); allowed: nuq or uniform, no rotation, no clip, "
-                         f"at most 8 bits")
+    anyway; the caller stores the token another way). The policy must be one encode_rows takes. A TokenEncoder
+    made for this one call (a caller encoding token after token keeps one)."""
     if x.dim() != 4 or x.shape[0] != 1 or x.shape[2] != 1 or x.dtype not in (torch.float16, torch.float32):
         raise InputError(f"encode_into: one token's rows [1, H, 1, D] in float16 or float32, got {x.dtype} "
                          f"{list(x.shape)}")
-    _, h, _, d = x.shape
-    if p.outlier_fraction > 0:
-        check_row_entries(h, d, "encode_into")
-    _check_consts(p, consts, h, d, "encode_into")
+    if tuple(x.stride()) != (x.shape[1] * x.shape[3], x.shape[3], x.shape[3], 1):
+        x = x.contiguous()
     if rope is not None:
-        _need(rope, "encode_into: RoPE table", (max(rope.shape[0], start + 1), 2, d // 2), torch.float32)
+        _need(rope, "encode_into: RoPE table", (max(rope.shape[0], start + 1), 2, x.shape[3] // 2), torch.float32)
     _need(count, "encode_into: count", (1,), torch.int16)
-    if cap < 0 or (p.outlier_fraction > 0 and cap and (index is None or value is None)):
-        raise InputError(f"encode_into: an outlier capacity of {cap} needs index and value addresses")
-    mode, q_lo, q_hi, lo, hi = 0, 0.0, 0.0, None, None
-    if p.outlier_fraction > 0:
-        if p.axis == "channel":
-            mode, lo, hi = 1, consts["lower"], consts["upper"]
-        else:
-            mode, (q_lo, q_hi) = 3, consts["quantiles"]
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    enc = _Enc(x.data_ptr(), int(x.dtype == torch.float16), (ctypes.c_int64 * 4)(*x.stride()), 1, h, 1, d, start,
-               ptr(rope), None, FMT_NUQ if p.format == "nuq" else FMT_UNIFORM, p.bits, int(p.axis == "token"), 0,
-               ptr(consts["mids"]), ptr(consts["zero"]), ptr(consts["range"]), mode, q_lo, q_hi, ptr(lo), ptr(hi),
-               codes, scale, zero, count.data_ptr(), index, value, cap, 1)
-    m = _LIB["lib"].kvcalib_encode(ctypes.byref(enc))
-    if m == -3:
-        from exporters.codec import CodecError
-        raise CodecError("non-finite entries in the rows to encode")
-    _encode_refused(m, 1, h, 1, d, p)
-    if m < -1:
-        raise RuntimeError(f"kvcalib_encode returned {m}")
-    return m
+    enc = TokenEncoder(p, x.shape[1], x.shape[3], rope, x.dtype == torch.float16, count)
+    return enc(x.data_ptr(), start, codes, scale, zero, index, value, cap, x)
+
+
+class TokenEncoder:
+    """kvcalib_encode for one token's rows [1, H, 1, D] at a time under one policy: its checks -- the policy one
+    encode_rows takes, its tensors of H heads x D channels, the RoPE table's shape -- made once, and the fields that
+    do not change between tokens set once; a call sets the row's address, its position and its destinations (the
+    vLLM plugin's write of a decode step: one call per token and side, in every layer)."""
+
+    def __init__(self, p, h: int, d: int, rope: torch.Tensor | None, x_half: bool,
+                 count: torch.Tensor | None = None) -> None:
+        consts = _encoder_consts(p)
+        if consts is None:
+            raise InputError(f"encode_into: the CPU encoder does not take a {p.format} {p.axis} policy (rotation "
+                             f"{p.rotation}, clip {p.clip}, {p.bits} bits); allowed: nuq or uniform, no rotation, no "
+                             f"clip, at most 8 bits")
+        if p.outlier_fraction > 0:
+            check_row_entries(h, d, "encode_into")
+        _check_consts(p, consts, h, d, "encode_into")
+        if rope is not None:
+            _need(rope, "encode_into: RoPE table", (rope.shape[0] if rope.dim() == 3 else -1, 2, d // 2),
+                  torch.float32)
+        mode, q_lo, q_hi, lo, hi = 0, 0.0, 0.0, None, None
+        if p.outlier_fraction > 0:
+            if p.axis == "channel":
+                mode, lo, hi = 1, consts["lower"], consts["upper"]
+            else:
+                mode, (q_lo, q_hi) = 3, consts["quantiles"]
+        self.p, self.h, self.d, self.rope, self.outliers = p, h, d, rope, p.outlier_fraction > 0
+        self.count = torch.zeros(1, dtype=torch.int16) if count is None else count
+        self.keep = (consts, rope, self.count)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.enc = _Enc(None, int(x_half), (ctypes.c_int64 * 4)(h * d, d, d, 1), 1, h, 1, d, 0, ptr(rope), None,
+                        FMT_NUQ if p.format == "nuq" else FMT_UNIFORM, p.bits, int(p.axis == "token"), 0,
+                        ptr(consts["mids"]), ptr(consts["zero"]), ptr(consts["range"]), mode, q_lo, q_hi, ptr(lo),
+                        ptr(hi), None, None, None, self.count.data_ptr(), None, None, 0, 1)
+        self.ref = ctypes.byref(self.enc)
+
+    def __call__(self, x: int, start: int, codes: int, scale: int | None, zero: int | None, index: int | None,
+                 value: int | None, cap: int, rows: torch.Tensor | None = None) -> int:
+        """Rows at address x (contiguous [H, D], float16 or float32 as made), position `start` -> the outliers
+        written, or -1 when they exceed cap (encode_into's contract). rows: the tensor at x, for the error of
+        non-finite entries."""
+        if self.rope is not None and not 0 <= start < self.rope.shape[0]:
+            raise InputError(f"encode_into: position {start} is past the RoPE table's {self.rope.shape[0]} positions")
+        if cap < 0 or (self.outliers and cap and (index is None or value is None)):
+            raise InputError(f"encode_into: an outlier capacity of {cap} needs index and value addresses")
+        e = self.enc
+        e.x, e.start, e.codes, e.scale, e.zero_out = x, start, codes, scale, zero
+        e.out_index, e.out_value, e.out_cap = index, value, cap
+        m = _LIB["lib"].kvcalib_encode(self.ref)
+        if m == -3:
+            from exporters.codec import CodecError
+            bad = "" if rows is None else f"{int((~torch.isfinite(rows.float())).sum())} "
+            raise CodecError(f"{bad}non-finite entries in the rows to encode")
+        _encode_refused(m, 1, self.h, 1, self.d, self.p)
+        if m < -1:
+            raise RuntimeError(f"kvcalib_encode returned {m}")
+        return m
 
 
 def _check_consts(p, consts: dict, h: int, d: int, where: str) -> None:

@@ -391,12 +391,8 @@ def _checked_fill(fill: int, cap: int, blk: int, off: int) -> int:
 class KvcalibCPUImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.served = served_for(get_current_vllm_config())
+        self.held_state(served_for(get_current_vllm_config()), self.scale)
         _LAST[0] = self.served
-        self._layer: _Layer | None = None
-        self._consts: dict = {}
-        self._count: torch.Tensor | None = None
-        self.ring: torch.Tensor | None = None
         if self.served is None:
             return
         if not cpu_attention.available():   # the fused kernel reads every single-token step
@@ -425,6 +421,18 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
             bad.append(f"kv_sharing_target_layer_name: allowed None, got {self.kv_sharing_target_layer_name!r}")
         if bad:
             raise PluginRefusal("kvcalib vLLM plugin: " + "; ".join(bad))
+
+    def held_state(self, served: "Served | None", scale: float, layer: "_Layer | None" = None,
+                   ring: torch.Tensor | None = None) -> None:
+        """What the plugin holds per attention layer besides vLLM's own: the packed checkpoint served, the softmax
+        scale, the layer's policies (bound at its first call), its rings, and what it makes once -- per block size
+        the pages' constant arrays, per slot layout its token encoders and its kernel launch. (vLLM's __init__
+        calls it; the tests build a bare layer with it.)"""
+        self.served, self.scale, self._layer, self.ring = served, scale, layer, ring
+        self._consts: dict = {}
+        self._encoders: dict = {}
+        self._launchers: dict = {}
+        self._count: torch.Tensor | None = None
 
     # -- plain models: vLLM's own CPU attention, its write first (forward_includes_kv_cache_update) --
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -632,8 +640,14 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         if self._count is None:
             self._count = torch.zeros(1, dtype=torch.int16)
         rope = self.served.kernel_rope if self.served.policy.key_rope == "pre" else None
-        k32, v32 = key.to(torch.float16).float(), value.to(torch.float16).float()  # the fp16 copies, as _write
+        k32 = key.to(torch.float16).float().contiguous()   # the fp16 copies, as _write
+        v32 = value.to(torch.float16).float().contiguous()
         h, d = sl.n_kv_heads, sl.head_dim
+        encoders = self._encoders.get(sl)   # this layer's, made once: their checks and fixed fields
+        if encoders is None:
+            encoders = self._encoders[sl] = {
+                "key": cpu_attention.TokenEncoder(lay.key, h, d, rope, False, self._count),
+                "value": cpu_attention.TokenEncoder(lay.value, h, d, None, False, self._count)}
         base0 = kv_cache.data_ptr()
         bs = kv_cache.shape[2]
         pools = sl.pools(bs)
@@ -642,8 +656,8 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         i16 = ctypes.c_int16
         for j, (rel, p) in enumerate(zip(step["rel"], step["pos_list"])):
             base = base0 + rel
-            for name, s, x, pol, r in (("key", sl.key, k32[j], lay.key, rope), ("value", sl.value, v32[j], lay.value,
-                                                                                  None)):
+            for name, s, x in (("key", sl.key, k32[j]), ("value", sl.value, v32[j])):
+                enc = encoders[name]
                 if name in pools:   # the page's pool, after the previous token's entries (_pool_start)
                     where = pools[name]
                     b, o = step["blk_list"][j], step["off_list"][j]
@@ -651,21 +665,16 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
                     cnt, fst = page + where["count"] + 2 * o, page + where["first"] + 2 * o   # this token's fields
                     start = 0 if _starts_page(o, p, sl.n_sink) else _checked_fill(
                         i16.from_address(fst - 2).value + i16.from_address(cnt - 2).value, where["cap"], b, o)
-                    got = cpu_attention.encode_into(x.view(1, h, 1, d), pol, p, r, base + s.codes,
-                                                    None if s.scale is None else base + s.scale,
-                                                    None if s.zero is None else base + s.zero,
-                                                    page + where["index"] + 2 * start,
-                                                    page + where["value"] + 2 * start, where["cap"] - start,
-                                                    self._count)
+                    got = enc(x.data_ptr(), p, base + s.codes, None if s.scale is None else base + s.scale,
+                              None if s.zero is None else base + s.zero, page + where["index"] + 2 * start,
+                              page + where["value"] + 2 * start, where["cap"] - start, x)
                     if got < 0:
                         return False
                     i16.from_address(cnt).value, i16.from_address(fst).value = got, start
                     continue
-                got = cpu_attention.encode_into(x.view(1, h, 1, d), pol, p, r, base + s.codes,
-                                                None if s.scale is None else base + s.scale,
-                                                None if s.zero is None else base + s.zero,
-                                                None if not s.cap else base + s.index,
-                                                None if not s.cap else base + s.value, s.cap, self._count)
+                got = enc(x.data_ptr(), p, base + s.codes, None if s.scale is None else base + s.scale,
+                          None if s.zero is None else base + s.zero, None if not s.cap else base + s.index,
+                          None if not s.cap else base + s.value, s.cap, x)
                 if got < 0:
                     return False
                 if s.cap and got < s.cap:   # the entries left: the sentinel index, value 0
@@ -740,63 +749,86 @@ class KvcalibCPUImpl(CPUAttentionBackendImpl):
         sequence; from a [1, H_q, D] slice per sequence), seqs [(block_row, t, key, win)] -- position t - 1; key:
         the step's table key of the sequence (its page table is the same in every layer), win: (ring, lo) with a
         recent window. Each sequence reads its sink rows (fp16, its ring's or its first page's), the rows
-        [n_sink, e) decoded from their slots and, with a window, the rows [e, t) in fp16 from its ring
-        (e = max(e(t), lo)). -> [n, H_q, D] float32."""
+        [n_sink, e) decoded from their slots and, with a window, the rows [e, t) in fp16 from its ring, in place
+        (e = max(e(t), lo)). What does not depend on the layer -- the page table relative to the cache, each
+        sequence's rows -- is made once per step and slot layout (_step_reads); per layer, only the addresses of its
+        cache and rings. -> [n, H_q, D] float32."""
         sl = lay.slot
         h, d = sl.n_kv_heads, sl.head_dim
         base = kv_cache.data_ptr()
-        strides = (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1)
-        keep: list = []
-        tables, page_b, sinks, recents = [], [], [], []
-        for j, (block_row, t, key, win) in enumerate(seqs):
-            end = t
-            recent = cpu_attention._Rows()
-            sink = cpu_attention._Rows()
-            if win is not None:
-                window = self.served.window
-                ring, lo = win
-                end = max(window.encoded_end(t), min(lo, t - 1), min(sl.n_sink, t))
-                if end < t:
-                    rows = self.ring[ring, window.index(torch.arange(end, t))]            # [m, 2, H, D] fp16
-                    k, v = rows[:, 0].permute(1, 0, 2)[None], rows[:, 1].permute(1, 0, 2)[None]
-                    recent = cpu_attention._rows((k, v), 1, h, d, "recent")
-                    keep.append(rows)
-                s0 = min(sl.n_sink, t)
-                if s0:   # the sequence's sink rows: the first rows of its ring, in place
-                    kp = self.ring[ring].data_ptr()
-                    sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0)
-            tkey = None if key is None else (key, sl, end)
-            held = None if shared is None else shared.get(tkey)
-            if held is None:
-                held = self._page_table(block_row, end, kv_cache, sl)
-                if shared is not None:
-                    shared[tkey] = held
-            rel, byte_f, half_f, sink_rel, s0 = held
-            if rel.shape[0]:
-                tables.append(rel + byte_f * base + half_f * (base // 2))
-                page_b.append(torch.full((rel.shape[0],), j, dtype=torch.int64))
-            if s0 and sl.sink_in_page:
+        step = self._step_reads(sl, seqs, kv_cache, shared)
+        n, strides, row = len(seqs), step["strides"], 4 * h * d   # bytes per ring / sink row: K then V
+        sinks, recents = (cpu_attention._Rows * n)(), (cpu_attention._Rows * n)()
+        window = self.served.window
+        for j, (ring, s0, first, m, sink_rel, s0_page) in enumerate(step["rows"]):
+            if ring is not None:   # the sequence's ring: its sink rows first, then the window's R rows
+                kp = self.ring[ring].data_ptr()
+                if s0:
+                    sinks[j] = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0)
+                if m:
+                    rp = kp + window.n_sink * row
+                    recents[j] = cpu_attention._Rows(rp, rp + 2 * h * d, strides, strides, m, first, window.residual)
+            if sink_rel is not None:
                 kp = base + sink_rel
-                sink = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0)
-            sinks.append(sink)
-            recents.append(recent)
-        table = torch.cat(tables) if tables else torch.zeros(1, N_PAGE, dtype=torch.int64)
-        n_pages = sum(x.shape[0] for x in tables)
-        pb = torch.cat(page_b) if page_b else torch.zeros(1, dtype=torch.int64)
-        (kcap, vcap), offs = self._page_consts(kv_cache.shape[2], sl)
-        keep += [kcap, vcap, offs, table, pb]
+                sinks[j] = cpu_attention._Rows(kp, kp + 2 * h * d, strides, strides, s0_page)
+        keep: list = [step]
         split = lay.unrotate is not None
-        out = cpu_attention.launch(table, n_pages, q, sl.n_kv_heads, self.scale, lay.key, lay.value,
-                                   (sl.key.kernel_outliers, sl.value.kernel_outliers), self.served.kernel_rope,
-                                   cpu_attention._Rows(),
-                                   cpu_attention._Rows(), None, cpu_attention.CHUNK, torch.get_num_threads(), keep,
-                                   split=split, page_b=pb, sinks=sinks, recents=recents)
+        run = self._launchers.get((sl, q.shape[1]))   # this layer's, made once: its checks and fixed fields
+        if run is None:
+            run = self._launchers[(sl, q.shape[1])] = cpu_attention.Launcher(
+                lay.key, lay.value, (sl.key.kernel_outliers, sl.value.kernel_outliers), self.served.kernel_rope, None,
+                sl.n_kv_heads, q.shape[1], d, self.scale, split)
+        out = run(step["table"], step["n_pages"], q, cpu_attention.CHUNK, torch.get_num_threads(), keep,
+                  page_b=step["page_b"], sinks=sinks, recents=recents,
+                  relative=(step["byte_f"], step["half_f"], base))
         STATS["kernel_calls"] += 1
         STATS["kernel_rows"] += len(seqs)
         if split:
             from serving.inputs import finish
             out = finish(out[0], out[1], lay.unrotate)
         return out
+
+    def _step_reads(self, sl: vllm_slots.SlotLayout, seqs: list, kv_cache: torch.Tensor, shared: dict | None) -> dict:
+        """What a step's decoding sequences read, the same in every layer of one slot layout: the page tables of all
+        of them, relative to the layer's cache, one after another (each sequence's rows [n_sink, e)), each page's
+        sequence, and per sequence (ring, sink rows in the ring, where its window's rows [e, t) start in the ring,
+        how many, its first page's sink rows' relative address or None, their count)."""
+        key = None if shared is None else ("reads", sl, tuple((s[1], s[2], s[3]) for s in seqs))
+        held = None if key is None else shared.get(key)
+        if held is not None:
+            return held
+        window = self.served.window
+        tables, page_b, rows = [], [], []
+        byte_f = half_f = None
+        for j, (block_row, t, tkey, win) in enumerate(seqs):
+            end, ring, first, m, s0 = t, None, 0, 0, 0
+            if win is not None:
+                ring, lo = win
+                end = max(window.encoded_end(t), min(lo, t - 1), min(sl.n_sink, t))
+                s0, m = min(sl.n_sink, t), t - end
+                first = end % window.residual if m else 0   # row p >= S of the ring at S + p mod R
+            pkey = None if tkey is None else (tkey, sl, end)
+            table = None if shared is None or pkey is None else shared.get(pkey)
+            if table is None:
+                table = self._page_table(block_row, end, kv_cache, sl)
+                if shared is not None and pkey is not None:
+                    shared[pkey] = table
+            rel, byte_f, half_f, sink_rel, s0_page = table
+            if rel.shape[0]:
+                tables.append(rel)
+                page_b.append(torch.full((rel.shape[0],), j, dtype=torch.int64))
+            rows.append((ring, s0, first, m, sink_rel if s0_page and sl.sink_in_page else None, s0_page))
+        h, d = sl.n_kv_heads, sl.head_dim
+        held = {"table": torch.cat(tables) if tables else torch.zeros(1, N_PAGE, dtype=torch.int64),
+                "n_pages": sum(x.shape[0] for x in tables),
+                "page_b": torch.cat(page_b) if page_b else torch.zeros(1, dtype=torch.int64), "rows": rows,
+                "byte_f": byte_f if byte_f is not None else torch.zeros(N_PAGE, dtype=torch.int64),
+                "half_f": half_f if half_f is not None else torch.zeros(N_PAGE, dtype=torch.int64),
+                "strides": (ctypes.c_int64 * 4)(0, d, 2 * h * d, 1),
+                "consts": self._page_consts(kv_cache.shape[2], sl)}   # the count / offset arrays tables point at
+        if key is not None:
+            shared[key] = held
+        return held
 
     def _attend_rows(self, lay: _Layer, q, block_row, t: int, kv_cache: torch.Tensor, win: tuple | None = None,
                      old: torch.Tensor | None = None, new: tuple | None = None) -> torch.Tensor:

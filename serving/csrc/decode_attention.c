@@ -42,7 +42,7 @@ enum { SC_NONE = 0, SC_TOKEN = 1, SC_GROUP = 2, SC_STATIC = 3, SC_HEAD = 4 };
 #define MAX_G 32
 #define MAX_ROW_ENTRIES 32767   /* int16 outlier indices h * D + d: H * D at most this (exporters/layout.py's,
                                    compared by tests/serving/test_untrusted_binding.py) */
-#define KVCALIB_ABI 4
+#define KVCALIB_ABI 5
 
 typedef _Float16 half;
 
@@ -57,6 +57,8 @@ typedef struct {
     const half *k, *v;   /* [B, H_kv, n, D] fp16 post-RoPE, element strides below; NULL: none */
     int64_t ks[4], vs[4];
     int64_t n;
+    int64_t first, ring; /* ring > 0: row i lies at row (first + i) % ring of the strided rows (a ring buffer read in
+                            place: the vLLM plugin's recent window); 0: at row i */
 } Rows;
 
 typedef struct {
@@ -80,6 +82,10 @@ typedef struct {
                                      one sequence it belongs to (a page of its own: b-stride unused, outlier rows
                                      page-local) -- the vLLM plugin's pages, every decoding sequence in one call */
     const Rows *sinks, *recents;  /* NULL: sink / recent above (b-strided); else [B], each sequence's own rows */
+    const int64_t *byte_f, *half_f;  /* NULL: the page table's addresses are absolute; else [N_PAGE] 0/1 per field:
+                                        field + byte_f * base + half_f * (base / 2) (a table relative to one
+                                        layer's cache, shared by the layers of a step: the vLLM plugin's) */
+    int64_t base;
 } Call;
 
 int kvcalib_abi(void) { return KVCALIB_ABI; }
@@ -210,6 +216,30 @@ static inline __attribute__((always_inline)) void levels_row(const Side *sd, con
         for (int64_t d = 0; d < D; d++) lv[d] = (float)c[d];
 }
 
+/* The sparse outliers of one stored row (page-relative row t of sequence b) that fall in kv head h, put back into
+ * its decoded values out[0..D-1]. Returns 0, or 1 for a negative outlier count, list offset or index (a corrupt
+ * list: nothing read or written for it). */
+static inline __attribute__((always_inline)) int put_outliers(const Side *sd, const int64_t *f, int64_t B, int64_t D,
+                                                            int64_t b, int64_t h, int64_t t, float *out) {
+    const int64_t r = t * B + b;   /* token row t of sequence b: outlier row t * B + b */
+    const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
+    /* outliers 1: the list offsets int64 (f[12] in int64 elements); 2: int16 (f[12] in int16 elements) -- a
+       page's own pool, the vLLM plugin's (exporters/vllm_slots.py) */
+    const int64_t first = sd->outliers == 2 ? (int64_t)((const int16_t *)(intptr_t)(f[12] * 2))[r]
+                                            : ((const int64_t *)(intptr_t)(f[12] * 8))[r];
+    if (n < 0 || first < 0) return 1;   /* counts from the data: never a list read before its start */
+    const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
+    const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
+    for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row, ascending (store's order;
+                                       a fixed-capacity list ends in entries beyond every row): this head's only */
+        const int64_t e = idx[i], eh = e / D;
+        if (e < 0) return 1;   /* e / D would round toward 0 and e % D be negative: a write before the row */
+        if (eh > h) break;
+        if (eh == h) out[e % D] = (float)val[i];
+    }
+    return 0;
+}
+
 /* One stored row (page-relative row t of sequence b, kv head h) of one side -> out[0..D-1] float32, outliers in.
  * Returns 0, or 1 for a negative outlier count, list offset or index (a corrupt list: nothing read or written
  * for it). */
@@ -250,25 +280,7 @@ static inline __attribute__((always_inline)) int decode_row(const Side *sd, cons
             for (int64_t d = 0; d < D; d++) out[d] = lv[d] * s[d] + z[d];
         }
     }
-    if (sd->outliers) {
-        const int64_t r = t * B + b;   /* token row t of sequence b: outlier row t * B + b */
-        const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
-        /* outliers 1: the list offsets int64 (f[12] in int64 elements); 2: int16 (f[12] in int16 elements) -- a
-           page's own pool, the vLLM plugin's (exporters/vllm_slots.py) */
-        const int64_t first = sd->outliers == 2 ? (int64_t)((const int16_t *)(intptr_t)(f[12] * 2))[r]
-                                                : ((const int64_t *)(intptr_t)(f[12] * 8))[r];
-        if (n < 0 || first < 0) return 1;   /* counts from the data: never a list read before its start */
-        const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
-        const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
-        for (int i = 0; i < n; i++) {   /* entries hold h' * D + d within the row, ascending (store's order;
-                                           a fixed-capacity list ends in entries beyond every row): this head's only */
-            const int64_t e = idx[i], eh = e / D;
-            if (e < 0) return 1;   /* e / D would round toward 0 and e % D be negative: a write before the row */
-            if (eh > h) break;
-            if (eh == h) out[e % D] = (float)val[i];
-        }
-    }
-    return 0;
+    return sd->outliers ? put_outliers(sd, f, B, D, b, h, t, out) : 0;
 }
 
 typedef struct {
@@ -334,6 +346,9 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512 *v) {
 }
 #endif
 
+static inline __attribute__((always_inline)) void tile_values(State *st, float (*s)[TILE], const float *V, int nt,
+                                                            int64_t G, int64_t D);
+
 /* One tile of nt keys K [nt, D] and values V [nt, D] into the running state of the G query heads qs [G, D]
  * (already multiplied by the scaling): the tile's scores (each key row read once for the G heads), their max and
  * weights, then each head's accumulator read and written once per tile -- acc * alpha + sum_t p_t V[t], the rows
@@ -359,7 +374,57 @@ static inline __attribute__((always_inline)) void tile_update(State *st, const f
         const float *k = K + t * D;
         for (int64_t g = 0; g < G; g++) s[g][t] = dot(qs + g * D, k, D);
     }
-    for (int64_t g = 0; g < G; g++) {
+    tile_values(st, s, V, nt, G, D);
+}
+
+/* The rest of a tile once its scores s [G][nt] are known: each head's max and weights, then its accumulator read
+ * and written once -- acc * alpha + sum_t p_t V[t] (tile_update's second half; the fused path's too). */
+#ifdef __AVX512F__
+/* The value sums of G heads (G a constant: the accumulators in registers) over a tile of nt rows of head_dim 64:
+ * per head and 16 channels, acc * alpha + sum_t p_t V[t] in the two interleaved chains of tile_values -- the same
+ * operations, in the same order, for each head -- with each value row's 16 channels loaded once for all G heads,
+ * where the head-by-head loop loads them G times. Channels in passes of 32 (G <= 4) or 16 (more heads). */
+static inline __attribute__((always_inline)) void values64(State *st, float (*p)[TILE], const float *alpha,
+                                                         const float *V, int nt, const int G) {
+    const int W = G <= 4 ? 2 : 1;   /* 16-channel vectors per pass */
+    for (int c0 = 0; c0 < 4; c0 += W) {
+        __m512 a0[8][2], a1[8][2];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < W; j++) {
+                a0[g][j] = _mm512_mul_ps(_mm512_loadu_ps(st->acc + g * 64 + 16 * (c0 + j)), _mm512_set1_ps(alpha[g]));
+                a1[g][j] = _mm512_setzero_ps();
+            }
+        int t = 0;
+        for (; t + 1 < nt; t += 2) {
+            __m512 ve[2], vo[2];
+            for (int j = 0; j < W; j++) {
+                ve[j] = _mm512_loadu_ps(V + t * 64 + 16 * (c0 + j));
+                vo[j] = _mm512_loadu_ps(V + (t + 1) * 64 + 16 * (c0 + j));
+            }
+            for (int g = 0; g < G; g++) {
+                const __m512 pe = _mm512_set1_ps(p[g][t]), po = _mm512_set1_ps(p[g][t + 1]);
+                for (int j = 0; j < W; j++) {
+                    a0[g][j] = _mm512_fmadd_ps(pe, ve[j], a0[g][j]);
+                    a1[g][j] = _mm512_fmadd_ps(po, vo[j], a1[g][j]);
+                }
+            }
+        }
+        if (t < nt)
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < W; j++)
+                    a0[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), _mm512_loadu_ps(V + t * 64 + 16 * (c0 + j)),
+                                               a0[g][j]);
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < W; j++)
+                _mm512_storeu_ps(st->acc + g * 64 + 16 * (c0 + j), _mm512_add_ps(a0[g][j], a1[g][j]));
+    }
+}
+#endif
+
+static inline __attribute__((always_inline)) void tile_values(State *st, float (*s)[TILE], const float *V, int nt,
+                                                            int64_t G, int64_t D) {
+    float alphas[MAX_G];
+    for (int64_t g = 0; g < G; g++) {   /* each head's max, weights and sum; the accumulators below */
         float mt = s[g][0];
         for (int t = 1; t < nt; t++) mt = s[g][t] > mt ? s[g][t] : mt;
         const float m_new = st->m[g] > mt ? st->m[g] : mt;
@@ -373,6 +438,25 @@ static inline __attribute__((always_inline)) void tile_update(State *st, const f
         }
         st->l[g] = st->l[g] * alpha + sum;
         st->m[g] = m_new;
+        alphas[g] = alpha;
+    }
+#ifdef __AVX512F__
+    if (D == 64 && G <= 8) {
+        switch (G) {
+        case 1: values64(st, s, alphas, V, nt, 1); return;
+        case 2: values64(st, s, alphas, V, nt, 2); return;
+        case 3: values64(st, s, alphas, V, nt, 3); return;
+        case 4: values64(st, s, alphas, V, nt, 4); return;
+        case 5: values64(st, s, alphas, V, nt, 5); return;
+        case 6: values64(st, s, alphas, V, nt, 6); return;
+        case 7: values64(st, s, alphas, V, nt, 7); return;
+        default: values64(st, s, alphas, V, nt, 8); return;
+        }
+    }
+#endif
+    for (int64_t g = 0; g < G; g++) {
+        const float alpha = alphas[g];
+        const float *p = s[g];
         float *acc = st->acc + g * D;
 #ifdef __AVX512F__
         if (D % 16 == 0) {
@@ -409,8 +493,9 @@ static inline __attribute__((always_inline)) void run_rows_d(const Call *c, cons
     for (int64_t r = it->r0; r < it->r1; r += TILE) {
         const int nt = (int)(it->r1 - r < TILE ? it->r1 - r : TILE);
         for (int t = 0; t < nt; t++) {
-            const half *k = rw->k + b * rw->ks[0] + it->h * rw->ks[1] + (r + t) * rw->ks[2];
-            const half *v = rw->v + b * rw->vs[0] + it->h * rw->vs[1] + (r + t) * rw->vs[2];
+            const int64_t row = rw->ring ? (rw->first + r + t) % rw->ring : r + t;
+            const half *k = rw->k + b * rw->ks[0] + it->h * rw->ks[1] + row * rw->ks[2];
+            const half *v = rw->v + b * rw->vs[0] + it->h * rw->vs[1] + row * rw->vs[2];
             for (int64_t d = 0; d < D; d++) {
                 K[t * D + d] = (float)k[d * rw->ks[3]];
                 V[t * D + d] = (float)v[d * rw->vs[3]];
@@ -452,6 +537,160 @@ static inline __attribute__((always_inline)) int run_page_d(const Call *c, const
     return 0;
 }
 
+static int use_fast = 1;
+void kvcalib_set_fast(int on) { use_fast = on; }   /* 0: every page through run_page_d (the tests' comparison) */
+
+#ifdef __AVX512F__
+/* ---- the fused path of the common page (head_dim 64: SmolLM2's, Llama-3.2-1B's; AVX-512) --------------------
+ * The arithmetic of run_page_d, operation for operation, so its output is bit for bit the general path's (the
+ * tests compare the two, kvcalib_set_fast(0)), with less work around it:
+ * - one work item per run of a page covers every kv head of the sequence (run_column), so each row's outlier
+ *   lists are scanned once (put_outliers_heads) where run_page_d scans them per head -- the scan's branches were a
+ *   third of the time of a 1%-outlier page;
+ * - a key row without outliers goes from its codes to its scores in registers: levels, scale and zero, lambda,
+ *   RoPE and the dots with the group's query heads (the same fused multiply-adds in the same order, kept as the
+ *   16-lane partials hsum16 sums), where run_page_d stores and reloads the row at each step; value rows, and key
+ *   rows with outliers, go to the tiles once.
+ * Taken when both sides are nuq or uniform codes of 2 or 4 bits (3 with VBMI) with scales static per channel or
+ * per token, at most FAST_MAX_H kv heads of FAST_MAX_G query heads (fast_heads_ok); everything else, and the
+ * fp16 sink and recent rows, through run_item. */
+
+static int fast_side_ok(const Side *sd) {
+    if (sd->fmt != FMT_NUQ && sd->fmt != FMT_UNIFORM) return 0;
+    if (sd->smode != SC_STATIC && sd->smode != SC_TOKEN) return 0;
+#ifdef __AVX512VBMI__
+    return sd->bits == 2 || sd->bits == 3 || sd->bits == 4;
+#else
+    return sd->bits == 2 || sd->bits == 4;
+#endif
+}
+
+static int fast_ok(const Call *c) {
+    return use_fast && c->D == 64 && fast_side_ok(&c->ks) && fast_side_ok(&c->vs);
+}
+
+/* One packed row of 64 codes -> its levels in 4 vectors: levels_row's instructions, kept in registers. */
+static inline __attribute__((always_inline)) void levels64(int bits, int nuq, __m512 book, const uint8_t *p,
+                                                         __m512 *lv) {
+    __m512i c[4];
+    if (bits == 4) {
+        const __m128i m = _mm_set1_epi8(15);
+        for (int j = 0; j < 2; j++) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + 16 * j));
+            const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+            c[2 * j] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+            c[2 * j + 1] = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+        }
+    } else if (bits == 2) {
+        const __m128i m = _mm_set1_epi8(3);
+        for (int j = 0; j < 2; j++) {
+            const __m128i b = _mm_loadl_epi64((const __m128i *)(p + 8 * j));
+            const __m128i e0 = _mm_and_si128(b, m), e1 = _mm_and_si128(_mm_srli_epi16(b, 2), m);
+            const __m128i e2 = _mm_and_si128(_mm_srli_epi16(b, 4), m), e3 = _mm_and_si128(_mm_srli_epi16(b, 6), m);
+            const __m128i a01 = _mm_unpacklo_epi8(e0, e1), a23 = _mm_unpacklo_epi8(e2, e3);
+            c[2 * j] = _mm512_cvtepu8_epi32(_mm_unpacklo_epi16(a01, a23));
+            c[2 * j + 1] = _mm512_cvtepu8_epi32(_mm_unpackhi_epi16(a01, a23));
+        }
+    } else {
+#ifdef __AVX512VBMI__
+        const __m512i pick = _mm512_set_epi32(0x0605, 0x0605, 0x0504, 0x0504, 0x0504, 0x0403, 0x0403, 0x0403,
+                                              0x0302, 0x0302, 0x0201, 0x0201, 0x0201, 0x0100, 0x0100, 0x0100);
+        const __m512i shift = _mm512_set_epi32(5, 2, 7, 4, 1, 6, 3, 0, 5, 2, 7, 4, 1, 6, 3, 0);
+        const __m512i seven = _mm512_set1_epi32(7);
+        for (int j = 0; j < 4; j++) {
+            const __m512i b = _mm512_maskz_loadu_epi8((__mmask64)0x3F, p + 6 * j);
+            c[j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(pick, b), shift), seven);
+        }
+#else
+        for (int j = 0; j < 4; j++) c[j] = _mm512_setzero_si512();   /* not reached: fast_side_ok */
+#endif
+    }
+    for (int j = 0; j < 4; j++) lv[j] = nuq ? _mm512_permutexvar_ps(c[j], book) : _mm512_cvtepi32_ps(c[j]);
+}
+
+/* One stored row of one side -> x[4] (decode_row's values: levels * scale + zero, outliers put back). Returns 1
+ * for a corrupt outlier list (as decode_row). s, z: the head's static scale and zero vectors (SC_STATIC). */
+static inline __attribute__((always_inline)) int row64(const Side *sd, __m512 book, const int64_t *f, int64_t B,
+                                                     int64_t b, int64_t h, int64_t t, const __m512 *s,
+                                                     const __m512 *z, __m512 *x) {
+    const uint8_t *p = (const uint8_t *)(intptr_t)f[0] + b * f[1] + h * f[2] + t * f[3];
+    __m512 lv[4];
+    levels64(sd->bits, sd->fmt == FMT_NUQ, book, p, lv);
+    if (sd->smode == SC_TOKEN) {
+        const int64_t so = b * f[7] + h * f[8] + t * f[9];
+        const __m512 sv = _mm512_set1_ps((float)((const half *)(intptr_t)(f[5] * 2))[so]);
+        const __m512 zv = _mm512_set1_ps((float)((const half *)(intptr_t)(f[6] * 2))[so]);
+        for (int j = 0; j < 4; j++) x[j] = _mm512_add_ps(_mm512_mul_ps(lv[j], sv), zv);
+    } else {
+        for (int j = 0; j < 4; j++) x[j] = _mm512_add_ps(_mm512_mul_ps(lv[j], s[j]), z[j]);
+    }
+    return 0;
+}
+
+#define FAST_MAX_H 8
+#define FAST_MAX_G 16
+
+/* The fused path for a whole column of heads (run_column): fast_ok, and at most FAST_MAX_H kv heads of at most
+ * FAST_MAX_G query heads each (its tiles live on the worker's stack). */
+static int fast_heads_ok(const Call *c) {
+    return fast_ok(c) && c->H_kv <= FAST_MAX_H && c->G <= FAST_MAX_G;
+}
+
+/* Head h's static scale and zero vectors (SC_STATIC; zeros otherwise, unused). */
+static inline __attribute__((always_inline)) void load_static(const Side *sd, int64_t h, __m512 *s, __m512 *z) {
+    for (int j = 0; j < 4; j++) {
+        s[j] = sd->smode == SC_STATIC ? _mm512_loadu_ps(sd->scale + h * 64 + 16 * j) : _mm512_setzero_ps();
+        z[j] = sd->smode == SC_STATIC ? _mm512_loadu_ps(sd->zero + h * 64 + 16 * j) : _mm512_setzero_ps();
+    }
+}
+
+/* put_outliers for every kv head of a row at once: out is head 0's row, head h's at out + h * TILE * 64. One scan of
+ * the row's list where put_outliers scans it once per head: the same entries land (a head's scan takes the
+ * entries before the first of a later head; this scan those before the first past the last head -- for a list in
+ * store's ascending order, the same), a negative one among them refused. */
+static inline __attribute__((always_inline)) int put_outliers_heads(const Side *sd, const int64_t *f, int64_t B,
+                                                                  int64_t b, int64_t H, int64_t t, float *out) {
+    const int64_t r = t * B + b;
+    const int n = ((const int16_t *)(intptr_t)(f[11] * 2))[r];
+    const int64_t first = sd->outliers == 2 ? (int64_t)((const int16_t *)(intptr_t)(f[12] * 2))[r]
+                                            : ((const int64_t *)(intptr_t)(f[12] * 8))[r];
+    if (n < 0 || first < 0) return 1;
+    const int16_t *idx = (const int16_t *)(intptr_t)(f[13] * 2) + first;
+    const half *val = (const half *)(intptr_t)(f[14] * 2) + first;
+    for (int i = 0; i < n; i++) {
+        const int e = idx[i];
+        if (e < 0) return 1;
+        if ((e >> 6) >= H) break;
+        out[(e >> 6) * TILE * 64 + (e & 63)] = (float)val[i];
+    }
+    return 0;
+}
+
+/* Key row k[4] (decoded, outliers in) -> lambda, RoPE at position pos, and its dot with each query head kept as
+ * the 16-lane partials part[g] (tile_update's fused multiply-adds, in its order). */
+static inline __attribute__((always_inline)) void score64(const Call *c, const __m512 *lam, int64_t pos,
+                                                        const float *qs, int64_t G, __m512 *k, __m512 *part) {
+    if (c->lam)
+        for (int j = 0; j < 4; j++) k[j] = _mm512_mul_ps(k[j], lam[j]);
+    if (c->rope) {   /* rotate-half: x1 cos - x2 sin, x2 cos + x1 sin (run_page_d's products and sums) */
+        const float *cs = c->rope + pos * 64, *sn = cs + 32;
+        for (int j = 0; j < 2; j++) {
+            const __m512 x1 = k[j], x2 = k[j + 2];
+            const __m512 cj = _mm512_loadu_ps(cs + 16 * j), sj = _mm512_loadu_ps(sn + 16 * j);
+            k[j] = _mm512_sub_ps(_mm512_mul_ps(x1, cj), _mm512_mul_ps(x2, sj));
+            k[j + 2] = _mm512_add_ps(_mm512_mul_ps(x2, cj), _mm512_mul_ps(x1, sj));
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = qs + g * 64;
+        __m512 a = _mm512_setzero_ps();
+        for (int j = 0; j < 4; j++) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a);
+        part[g * TILE] = a;
+    }
+}
+
+#endif
+
 /* The head dimensions of the models we serve as compile-time constants (the loops over D unrolled, the running
  * accumulator in registers); any other even D through the same code with D at run time. */
 /* b: the rows' sequence index (0 for a sequence's own Rows, it->b for b-strided ones) */
@@ -474,16 +713,146 @@ static int run_page(const Call *c, const Item *it, const float *qs, State *st, f
     }
 }
 
+/* One work item into its partials part[i] = (max [G], sum [G], accumulator [G, D]). Returns 1 for a corrupt
+ * outlier list. */
+static int run_item(const Call *c, const Item *items, int64_t i, float *part) {
+    const int64_t H = c->H_kv, G = c->G, D = c->D;
+    const Item *it = &items[i];
+    float qs[MAX_G * MAX_D];
+    float K[TILE * MAX_D], V[TILE * MAX_D];
+    float *pm = part + i * G * (D + 2), *pl = pm + G, *pacc = pl + G;
+    State st;
+    int bad = 0;
+    st.acc = pacc;
+    for (int64_t g = 0; g < G; g++) {
+        st.m[g] = -INFINITY;
+        st.l[g] = 0.f;
+        const float *qg = c->q + ((it->b * H + it->h) * G + g) * D;
+        for (int64_t d = 0; d < D; d++) qs[g * D + d] = qg[d] * c->scaling;
+    }
+    memset(pacc, 0, sizeof(float) * (size_t)(G * D));
+    if (it->kind == -1)
+        run_rows(c, c->sinks ? &c->sinks[it->b] : &c->sink, it, c->sinks ? 0 : it->b, qs, &st, K, V);
+    else if (it->kind == -2)
+        run_rows(c, c->recents ? &c->recents[it->b] : &c->recent, it, c->recents ? 0 : it->b, qs, &st, K, V);
+    else if (it->kind >= 0)
+        bad = run_page(c, it, qs, &st, K, V);
+    for (int64_t g = 0; g < G; g++) { pm[g] = st.m[g]; pl[g] = st.l[g]; }
+    return bad;
+}
+
+#ifdef __AVX512F__
+/* The k-th items of one sequence's H (b, h) groups -- the same run of one page, one per kv head -- through the
+ * fused path together: per tile, each row's codes decoded head by head, its outlier lists scanned once for all
+ * heads (put_outliers_heads), then each head's scores and values (bit for bit run_page_d's: the same operations per
+ * head). firsts: the H groups' first items. */
+static int run_column(const Call *c, const Item *items, const int64_t *firsts, int64_t k, float *part) {
+    const int64_t H = c->H_kv, G = c->G;
+    const Item *it0 = &items[firsts[0] + k];
+    const int64_t *pg = c->pages + it0->kind * N_PAGE;
+    const int64_t start = pg[0];
+    const int64_t *fk = pg + 2, *fv = pg + 2 + N_SIDE;
+    const int64_t pB = c->page_b ? 1 : c->B, pb = c->page_b ? 0 : it0->b;
+    const __m512 kbook = _mm512_loadu_ps(c->klut16), vbook = _mm512_loadu_ps(c->vlut16);
+    float qs[FAST_MAX_H * FAST_MAX_G * 64];
+    float K[FAST_MAX_H * TILE * 64], V[FAST_MAX_H * TILE * 64];
+    __m512 part16[FAST_MAX_G * TILE];
+    float s[MAX_G][TILE];
+    State st[FAST_MAX_H];
+    for (int64_t h = 0; h < H; h++) {
+        float *pm = part + (firsts[h] + k) * G * (64 + 2);
+        st[h].acc = pm + 2 * G;
+        for (int64_t g = 0; g < G; g++) {
+            st[h].m[g] = -INFINITY;
+            st[h].l[g] = 0.f;
+            const float *qg = c->q + ((it0->b * H + h) * G + g) * 64;
+            for (int64_t d = 0; d < 64; d++) qs[(h * G + g) * 64 + d] = qg[d] * c->scaling;
+        }
+        memset(st[h].acc, 0, sizeof(float) * (size_t)(G * 64));
+    }
+    for (int64_t r = it0->r0; r < it0->r1; r += TILE) {
+        const int nt = (int)(it0->r1 - r < TILE ? it0->r1 - r : TILE);
+        if (c->ks.outliers)   /* every head's key rows into K, then each row's outliers once */
+            for (int t = 0; t < nt; t++) {
+                for (int64_t h = 0; h < H; h++) {
+                    __m512 kk[4], zz[4], x[4];
+                    load_static(&c->ks, h, kk, zz);
+                    row64(&c->ks, kbook, fk, pB, pb, h, r + t, kk, zz, x);
+                    for (int j = 0; j < 4; j++) _mm512_storeu_ps(K + (h * TILE + t) * 64 + 16 * j, x[j]);
+                }
+                if (put_outliers_heads(&c->ks, fk, pB, pb, H, r + t, K + t * 64)) return 1;
+            }
+        for (int t = 0; t < nt; t++) {   /* every head's value rows into V, then each row's outliers once */
+            for (int64_t h = 0; h < H; h++) {
+                __m512 vv[4], zz[4], x[4];
+                load_static(&c->vs, h, vv, zz);
+                row64(&c->vs, vbook, fv, pB, pb, h, r + t, vv, zz, x);
+                for (int j = 0; j < 4; j++) _mm512_storeu_ps(V + (h * TILE + t) * 64 + 16 * j, x[j]);
+            }
+            if (c->vs.outliers && put_outliers_heads(&c->vs, fv, pB, pb, H, r + t, V + t * 64)) return 1;
+        }
+        for (int64_t h = 0; h < H; h++) {
+            __m512 lam[4], kk[4], zz[4];
+            for (int j = 0; j < 4; j++) lam[j] = c->lam ? _mm512_loadu_ps(c->lam + h * 64 + 16 * j) : _mm512_set1_ps(1.f);
+            load_static(&c->ks, h, kk, zz);
+            for (int t = 0; t < nt; t++) {
+                __m512 x[4];
+                if (c->ks.outliers)
+                    for (int j = 0; j < 4; j++) x[j] = _mm512_loadu_ps(K + (h * TILE + t) * 64 + 16 * j);
+                else
+                    row64(&c->ks, kbook, fk, pB, pb, h, r + t, kk, zz, x);
+                score64(c, lam, start + r + t, qs + h * G * 64, G, x, part16 + t);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                for (int t = nt; t < TILE; t++) part16[g * TILE + t] = _mm512_setzero_ps();
+                _mm512_storeu_ps(s[g], hsum16(part16 + g * TILE));
+            }
+            tile_values(&st[h], s, V + h * TILE * 64, nt, G, 64);
+        }
+    }
+    for (int64_t h = 0; h < H; h++) {
+        float *pm = part + (firsts[h] + k) * G * (64 + 2), *pl = pm + G;
+        for (int64_t g = 0; g < G; g++) { pm[g] = st[h].m[g]; pl[g] = st[h].l[g]; }
+    }
+    return 0;
+}
+#endif
+
 /* The attention of every sequence's new token over the layer's cache -> out [B, H_kv * G, D], or with c->split_v
  * out [2, B, H_kv * G, D]: the sink and residual rows' part of the value sum, then the pages' part (each divided by
  * the whole softmax's sum; their sum is the attention output when the pages' values need no un-rotation).
  * chunk: rows per work item (a page's rows are cut into runs of at most chunk). Returns 0, or a negative code:
  * -1 shapes out of range (D, G, H, B, chunk, rows), -2 out of memory, -4 a page's positions past the RoPE table,
  * -5 a negative stored outlier count, list offset or index. */
+static int decode_call(Call *c, int64_t chunk, int n_threads, float *out);
+
 int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
     if (c->D > MAX_D || c->D < 2 || c->D % 2 || c->G > MAX_G || c->G < 1 || c->H_kv < 1 || c->B < 0 || chunk < 1
         || c->sink.n < 0 || c->recent.n < 0 || c->n_pages < 0)
         return -1;
+    for (int64_t b = 0; b < (c->sinks || c->recents ? c->B : 1); b++)
+        for (int w = 0; w < 2; w++) {   /* a ring: its start within it, at most its rows */
+            const Rows *rw = w ? (c->recents ? &c->recents[b] : &c->recent) : (c->sinks ? &c->sinks[b] : &c->sink);
+            if (rw->ring < 0 || rw->first < 0 || (rw->ring > 0 && (rw->first >= rw->ring || rw->n > rw->ring)))
+                return -1;
+        }
+    const int64_t *given = c->pages;
+    int64_t *own = NULL;   /* the table made absolute for this call (byte_f / half_f); the caller's left as given */
+    if (c->byte_f && c->n_pages > 0) {
+        own = (int64_t *)malloc(sizeof(int64_t) * (size_t)(c->n_pages * N_PAGE));
+        if (!own) return -2;
+        for (int64_t i = 0; i < c->n_pages; i++)
+            for (int j = 0; j < N_PAGE; j++)
+                own[i * N_PAGE + j] = given[i * N_PAGE + j] + c->byte_f[j] * c->base + c->half_f[j] * (c->base / 2);
+        c->pages = own;
+    }
+    const int rc = decode_call(c, chunk, n_threads, out);
+    c->pages = given;
+    free(own);
+    return rc;
+}
+
+static int decode_call(Call *c, int64_t chunk, int n_threads, float *out) {
     for (int64_t i = 0; i < c->n_pages; i++) {   /* positions come from the table: every one within the RoPE's */
         const int64_t start = c->pages[i * N_PAGE], rows = c->pages[i * N_PAGE + 1];
         if (rows < 0) return -1;
@@ -529,30 +898,34 @@ int kvcalib_decode(Call *c, int64_t chunk, int n_threads, float *out) {
             while (k < first[b * H + h + 1]) items[k++] = (Item){b, h, -3, 0, 0};   /* nothing held: an empty item */
         }
     int corrupt = 0;
+#ifdef __AVX512F__
+    if (fast_heads_ok(c)) {
+        /* the fused path: one work item per run of a page for every kv head of its sequence (the k-th item of each
+         * (b, h) group covers the same rows), so that a row's outlier lists are scanned once, not per head */
+        int64_t n_cols = 0;
+        for (int64_t b = 0; b < B; b++) n_cols += first[b * H + 1] - first[b * H];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-    for (int64_t i = 0; i < n_items; i++) {
-        const Item *it = &items[i];
-        float qs[MAX_G * MAX_D];
-        float K[TILE * MAX_D], V[TILE * MAX_D];
-        float *pm = part + i * G * (D + 2), *pl = pm + G, *pacc = pl + G;
-        State st;
-        st.acc = pacc;
-        for (int64_t g = 0; g < G; g++) {
-            st.m[g] = -INFINITY;
-            st.l[g] = 0.f;
-            const float *qg = c->q + ((it->b * H + it->h) * G + g) * D;
-            for (int64_t d = 0; d < D; d++) qs[g * D + d] = qg[d] * c->scaling;
-        }
-        memset(pacc, 0, sizeof(float) * (size_t)(G * D));
-        if (it->kind == -1)
-            run_rows(c, c->sinks ? &c->sinks[it->b] : &c->sink, it, c->sinks ? 0 : it->b, qs, &st, K, V);
-        else if (it->kind == -2)
-            run_rows(c, c->recents ? &c->recents[it->b] : &c->recent, it, c->recents ? 0 : it->b, qs, &st, K, V);
-        else if (it->kind >= 0 && run_page(c, it, qs, &st, K, V)) {
+        for (int64_t ci = 0; ci < n_cols; ci++) {
+            int64_t b = 0, k = ci;
+            while (k >= first[b * H + 1] - first[b * H]) { k -= first[b * H + 1] - first[b * H]; b++; }
+            if (items[first[b * H] + k].kind >= 0) {
+                if (run_column(c, items, first + b * H, k, part)) {
 #pragma omp atomic write
-            corrupt = 1;
+                    corrupt = 1;
+                }
+            } else {
+                for (int64_t h = 0; h < H; h++) run_item(c, items, first[b * H + h] + k, part);
+            }
         }
-        for (int64_t g = 0; g < G; g++) { pm[g] = st.m[g]; pl[g] = st.l[g]; }
+    } else
+#endif
+    {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int64_t i = 0; i < n_items; i++)
+            if (run_item(c, items, i, part)) {
+#pragma omp atomic write
+                corrupt = 1;
+            }
     }
     if (corrupt) { free(items); free(part); free(first); return -5; }
     /* merge each (sequence, kv head)'s items: out = sum_i e^(m_i - M) acc_i / sum_i e^(m_i - M) l_i */

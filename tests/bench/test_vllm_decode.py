@@ -28,7 +28,8 @@ def test_decode_speed_of_auto_and_the_plugin_on_distinct_requests(tmp_path):
     (text / "valid.txt").write_text(words)
     out = tmp_path / "decode.json"
     proc = subprocess.run([sys.executable, "-m", "bench.vllm_decode", "--checkpoint", str(ckpt), "--context", "300",
-                           "--tokens", "4", "--batch", "3", "--kv-bytes", str(64 << 20), "--json", str(out)],
+                           "--tokens", "4", "--batch", "3", "--kv-bytes", str(64 << 20), "--json", str(out),
+                           "--profile", str(tmp_path / "prof")],
                           capture_output=True, text=True, cwd=str(ROOT), timeout=900,
                           env={**os.environ, "KVCALIB_WIKITEXT": str(text), "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -41,3 +42,9 @@ def test_decode_speed_of_auto_and_the_plugin_on_distinct_requests(tmp_path):
     assert 0 < res["rows"][1]["packed"]["new_tokens"] <= 3 * 4   # the steps once every request has its first
     stats = res["plugin_stats"]
     assert stats["kernel_rows"] > stats["kernel_calls"] and stats["window_misses"] == 0
+    for kind in ("auto", "packed"):   # --profile: the decode steps of each run, by function
+        for b in (1, 3):
+            assert (tmp_path / f"prof.{kind}.b{b}").is_file()
+            assert f"-- profile of {kind}, batch {b}" in proc.stdout
+    packed = proc.stdout.split("-- profile of packed, batch 1")[1]
+    assert "vllm_backend.py" in packed and "cpu_attention.py" in packed   # the plugin and its kernel's call

@@ -146,6 +146,136 @@ def test_every_stored_format_on_synthetic_rows(name, chunk, d):
     assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
 
 
+FUSED = {   # head_dim 64 pages the fused path takes (decode_attention.c run_column), and two it leaves
+    "nuq4-channel/nuq4-token": dict(key=dict(format="nuq", bits=4, axis="channel"),
+                                    value=dict(format="nuq", bits=4, axis="token")),
+    "nuq2+outliers/nuq3+outliers": dict(key=dict(format="nuq", bits=2, axis="channel", outlier_fraction=0.05),
+                                        value=dict(format="nuq", bits=3, axis="token", outlier_fraction=0.05)),
+    "nuq3+outliers/nuq2 smooth": dict(key=dict(format="nuq", bits=3, axis="channel", outlier_fraction=0.05),
+                                      value=dict(format="nuq", bits=2, axis="token"), smooth=True),
+    "uniform4-token/uniform2-token": dict(key=dict(format="uniform", bits=4, axis="token"),
+                                          value=dict(format="uniform", bits=2, axis="token", outlier_fraction=0.05)),
+    "nuq4+outliers/uniform2 rotated clipped": dict(
+        key=dict(format="nuq", bits=4, axis="channel", outlier_fraction=0.05),
+        value=dict(format="uniform", bits=2, axis="token", rotation="hadamard", clip="mse")),
+    "uniform3-group (general path)": dict(key=dict(format="uniform", bits=3, axis="channel", group_size=4),
+                                          value=dict(format="nuq", bits=4, axis="token")),
+    "nuq8 (general path)": dict(key=dict(format="nuq", bits=8, axis="channel"),
+                                value=dict(format="nuq", bits=4, axis="token", outlier_fraction=0.05)),
+}
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+@pytest.mark.parametrize("shape", [(2, 3, 5), (3, 3, 512), (9, 2, 16), (1, 17, 512)])
+def test_the_fused_path_is_the_general_path_bit_for_bit(name, shape):
+    """head_dim 64: the fused path (every kv head of a run in one work item, key rows kept in registers) returns
+    the very bits of the general path (kvcalib_set_fast(0)) -- outliers on either side, smoothing, per-token keys,
+    rotated values, runs of 5 / 16 / 512 rows across pages of 8, 1 to 3 sequences, 2 to 17 query heads per kv head,
+    9 kv heads (past FAST_MAX_H: the general path) -- and equals the oracle."""
+    h_kv, b, chunk = shape
+    g = 17 if b == 1 else 3   # 17 > FAST_MAX_G: the general path
+    inp = _synthetic(FUSED[name], d=64, h_kv=h_kv, g=g, b=b, n=61)
+    try:
+        cpu_attention.fused_path(False)
+        general = cpu_attention.decode_attention(inp, chunk=chunk)
+    finally:
+        cpu_attention.fused_path(True)
+    fused = cpu_attention.decode_attention(inp, chunk=chunk)
+    assert torch.equal(fused, general), (fused - general).abs().max()
+    res = compare(fused, reference.decode_attention(inp))
+    assert res["ok"] and res["max_rel_err"] < RTOL / 20, res
+
+
+def test_the_fused_path_refuses_a_corrupt_outlier_list():
+    """A negative stored outlier index in a page the fused path reads: refused (-5), as the general path does."""
+    inp = _synthetic(FUSED["nuq2+outliers/nuq3+outliers"], d=64, h_kv=3)
+    page = inp.k_block.pages[1]
+    page.tensors["outlier_index"][0] = -5
+    with pytest.raises(InputError, match="negative outlier"):
+        cpu_attention.decode_attention(inp)
+
+
+def _captured_launch(inp, monkeypatch):
+    """decode_attention's one launch, its arguments kept: (args, kwargs, output) -- to call launch again."""
+    held = {}
+    real = cpu_attention.launch
+
+    def spy(*args, **kwargs):
+        held["out"] = real(*args, **kwargs)
+        held["args"], held["kwargs"] = list(args), dict(kwargs)
+        return held["out"]
+
+    monkeypatch.setattr(cpu_attention, "launch", spy)
+    cpu_attention.decode_attention(inp, chunk=5)
+    monkeypatch.undo()
+    return held
+
+
+@pytest.mark.parametrize("first", [0, 2, 5])
+def test_recent_rows_read_from_a_ring_in_place(monkeypatch, first):
+    """The vLLM plugin's recent window read where its ring holds it (row i at (first + i) % ring, wrapping): the
+    bits of the same rows handed in order."""
+    inp = _synthetic(FUSED["nuq2+outliers/nuq3+outliers"], d=64, h_kv=3)
+    held = _captured_launch(inp, monkeypatch)
+    k, v = inp.recent
+    b, h, n, d = k.shape
+    ring = n + 4
+    slots = [(first + i) % ring for i in range(n)]
+    rk, rv = torch.zeros(b, h, ring, d, dtype=torch.float16), torch.zeros(b, h, ring, d, dtype=torch.float16)
+    rk[:, :, slots], rv[:, :, slots] = k, v
+    rows = cpu_attention._rows((rk, rv), b, h, d, "ring")
+    rows.n, rows.first, rows.ring = n, first, ring
+    args = held["args"]
+    args[10] = rows   # recent
+    out = cpu_attention.launch(*args, **held["kwargs"])
+    assert torch.equal(out, held["out"])
+    rows.first = ring   # a start outside the ring: refused, nothing read
+    with pytest.raises(InputError, match="refused the shapes"):
+        cpu_attention.launch(*args, **held["kwargs"])
+
+
+def test_a_page_table_relative_to_a_base_reads_the_same_rows(monkeypatch):
+    """A table whose code and scale addresses are relative to a base (the plugin's, shared by a step's layers) and
+    the base handed apart: the bits of the absolute table (the relative addresses alone point 4 MB away)."""
+    from serving.pages import N_PAGE, N_SIDE
+
+    inp = _synthetic(FUSED["nuq4-channel/nuq4-token"], d=64, h_kv=3)
+    held = _captured_launch(inp, monkeypatch)
+    table = held["args"][0].view(-1, N_PAGE)
+    byte_f, half_f = torch.zeros(N_PAGE, dtype=torch.int64), torch.zeros(N_PAGE, dtype=torch.int64)
+    byte_f[2] = byte_f[2 + N_SIDE] = 1             # the codes' addresses (bytes)
+    half_f[2 + N_SIDE + 5] = half_f[2 + N_SIDE + 6] = 1   # the values' per-token scale and zero (fp16 elements)
+    base = 4096 * 1001
+    rel = (table - byte_f * base - half_f * (base // 2)).contiguous()
+    args = held["args"]
+    args[0] = rel
+    out = cpu_attention.launch(*args, **held["kwargs"], relative=(byte_f, half_f, base))
+    assert torch.equal(out, held["out"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_sequences_of_their_own_pages_in_one_launch(monkeypatch, fused):
+    """The vLLM plugin's launch: two sequences' pages in one table, each page's sequence in page_b, each
+    sequence's own sink and recent rows: the bits of each sequence launched alone -- on the fused path and on the
+    general one."""
+    inps = [_synthetic(FUSED["nuq2+outliers/nuq3+outliers"], d=64, h_kv=3, b=1, n=n) for n in (29, 37)]
+    # (one seed: the same policies; kept alive: the tables point into their pages)
+    held = [_captured_launch(inp, monkeypatch) for inp in inps]
+    try:
+        cpu_attention.fused_path(fused)
+        alone = [cpu_attention.launch(*h["args"], **h["kwargs"]) for h in held]
+        (a0, k0), (a1, _) = [(h["args"], h["kwargs"]) for h in held]
+        tables = [a[0].view(-1, cpu_attention.N_PAGE)[:a[1]] for a in (a0, a1)]
+        table = torch.cat(tables).contiguous()
+        page_b = torch.cat([torch.full((t.shape[0],), j, dtype=torch.int64) for j, t in enumerate(tables)])
+        both = cpu_attention.launch(table, table.shape[0], torch.cat([a0[2], a1[2]]), *a0[3:9],
+                                    cpu_attention._Rows(), cpu_attention._Rows(), *a0[11:14], [], **k0,
+                                    page_b=page_b, sinks=[a0[9], a1[9]], recents=[a0[10], a1[10]])
+    finally:
+        cpu_attention.fused_path(True)
+    assert torch.equal(both, torch.cat(alone))
+
+
 @pytest.mark.parametrize("fault", ["position off by one", "outliers dropped", "lambda dropped", "one page skipped"])
 def test_planted_faults_fail_the_comparison(fault):
     """The comparison has teeth: each reading mistake, made on the inputs the kernel is given, fails it."""

@@ -35,9 +35,8 @@ def main(folder: str, out: str) -> None:
         return window_main(served, out)
     cos, sin = served.cos, served.sin
     impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
-    impl.served, impl.scale, impl._consts, impl._count, impl.ring = served, d ** -0.5, {}, None, None
     layer_i = len(pol.layers) - 1
-    impl._layer = vb.layer_of(served, layer_i)
+    impl.held_state(served, d ** -0.5, vb.layer_of(served, layer_i))
     lay = impl._layer.slot
     bs, nb = 32, 12
     page = lay.page_bytes(bs)
@@ -145,9 +144,8 @@ def window_main(served, out: str) -> None:
         served.window = vb.Window(R, S, 4)
         g = torch.Generator().manual_seed(li)
         impl = vb.KvcalibCPUImpl.__new__(vb.KvcalibCPUImpl)
-        impl.served, impl.scale, impl._consts, impl._count = served, d ** -0.5, {}, None
-        impl.ring = torch.zeros(4, S + R, 2, h, d, dtype=torch.float16)
-        impl._layer = vb.layer_of(served, li)
+        impl.held_state(served, d ** -0.5, vb.layer_of(served, li), torch.zeros(4, S + R, 2, h, d,
+                                                                                dtype=torch.float16))
         impl.kv_sharing_target_layer_name = None
         lay = impl._layer.slot    # this layer's page: its slots, its key outliers' pool
         page = lay.page_bytes(bs)
