@@ -428,7 +428,8 @@ static inline __attribute__((always_inline)) void tile_values(State *st, float (
         float mt = s[g][0];
         for (int t = 1; t < nt; t++) mt = s[g][t] > mt ? s[g][t] : mt;
         const float m_new = st->m[g] > mt ? st->m[g] : mt;
-        const float alpha = st->m[g] == -INFINITY ? 0.f : exp_neg(st->m[g] - m_new);
+        /* exp_neg(0) is exactly 1 (k = 0, r = 0, p = 1): the common tile, whose max is not a new one, skips it */
+        const float alpha = st->m[g] == -INFINITY ? 0.f : st->m[g] == m_new ? 1.f : exp_neg(st->m[g] - m_new);
         float sum = 0.f;
         float *p = s[g];
 #pragma omp simd reduction(+ : sum)
