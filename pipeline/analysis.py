@@ -41,15 +41,30 @@ def drift(cfg, results: dict, target: CachePolicy) -> dict:
     return out
 
 
+EXAMPLES_FIRST = 1024  # changed_examples reads this many positions first, then 4x more until it has its n
+
+
 def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, context: int = 12) -> list[dict]:
-    """Positions of one evaluation window where the quantized cache changes the greedy next token."""
-    ids = window[None].to(model_device(lm.model))  # the window is stored on the CPU; the model may be on a GPU
-    with torch.no_grad():
-        ref = lm.model(ids, use_cache=False).logits[0].argmax(-1).tolist()
-        got = evaluate.policy_logprobs(lm.model, ids, target).argmax(-1).tolist()
+    """The first n positions of one evaluation window where the quantized cache changes the greedy next token. A
+    position's tokens depend on the positions before it only (causal attention, and the cache serves a row the
+    same way whatever follows), so the window's first EXAMPLES_FIRST positions are read first and 4x as many
+    until n changes are found: the examples the whole window gives, without its forwards at 32k -- up to float
+    rounding, which differs with a forward's length (SDPA's blocking) and which a coarse cache can amplify at a
+    code's rounding boundary into another token (as it would on another machine: evaluate.Perturbation)."""
+    whole = window.numel()
+    length = min(whole, EXAMPLES_FIRST)
+    while True:
+        ids = window[None, :length].to(model_device(lm.model))  # the window is on the CPU; the model may be on a GPU
+        with torch.no_grad():  # hidden states, then the head chunk by chunk: a long window's [T, V] logits do not fit
+            ref = evaluate.greedy_tokens(lm.model, evaluate.full_precision_hidden(lm.model, ids)).tolist()
+            got = evaluate.greedy_tokens(lm.model, evaluate.policy_hidden(lm.model, ids, target)).tolist()
+        changed = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
+        if len(changed) >= n or length == whole:
+            break
+        length = min(whole, 4 * length)
     tok = lm.tokenizer
     rows = []
-    for pos in [i for i, (a, b) in enumerate(zip(ref, got)) if a != b][:n]:
+    for pos in changed[:n]:
         rows.append({"position": pos, "context": tok.decode(window[max(0, pos - context + 1): pos + 1]),
                      "fp16": tok.decode(ref[pos : pos + 1]), "quantized": tok.decode(got[pos : pos + 1])})
     return rows

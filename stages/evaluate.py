@@ -72,7 +72,7 @@ class Inputs:
     policies: list[CachePolicy]
 
 
-QUERY_CHUNK = 1024
+QUERY_CHUNK = 1024  # beyond this many positions a forward's attention runs in chunks of queries (long_forward)
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,64 @@ class Perturbation:
         return (x.double() * (1 + self.scale * u)).to(x.dtype)
 
 
-def _chunk_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, t: int) -> torch.Tensor:
-    """The model's mask rows for this chunk, or the causal mask at the chunk's absolute positions."""
+def long_forward(t: int) -> bool:
+    """Does a forward of t positions run its attention in chunks of QUERY_CHUNK queries, each over the band of rows
+    its queries can see (the causal prefix; on a sliding layer only the window's), with the mask transformers
+    builds for it in attention_override's "serving" mode (None on a causal layer, boolean on a sliding one) -- never a
+    [T, T] float mask, 4 GB at 32k? Up to QUERY_CHUNK positions a forward keeps one pass over every row (the 1k
+    tables unchanged bit for bit)."""
+    return t > QUERY_CHUNK
+
+
+def _band_start(first_query: int, window: int | None) -> int:
+    """The first row a query at position first_query or later can read: 0 on a global layer, first_query - window
+    + 1 on a sliding one (exporters.served_rows.LayerRows.visible_from: transformers' sliding mask)."""
+    return 0 if window is None else max(0, first_query - window + 1)
+
+
+def _chunk_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, t: int, lo: int = 0,
+                window: int | None = None) -> torch.Tensor:
+    """The model's mask rows for this chunk (columns lo..t-1, already sliced by the caller), or the causal mask --
+    banded to the window on a sliding layer -- at the chunk's absolute positions q_pos [T_q, 1] over rows lo..t-1."""
     if mask is not None:
         return mask
-    return (q_pos >= torch.arange(t, device=q_pos.device)[None])[None, None]
+    cols = torch.arange(lo, t, device=q_pos.device)[None]
+    allowed = q_pos >= cols
+    if window is not None:
+        allowed = allowed & (cols > q_pos - window)
+    return allowed[None, None]
+
+
+def _chunk_bounds(t_q: int, t: int, c: int, n: int, window: int | None) -> tuple[torch.Tensor, int, int]:
+    """Chunk [c, c + n) of t_q queries over t rows (the queries the last t_q positions) -> (its positions [n, 1],
+    the first row it can read, the row after its last query's)."""
+    first = t - t_q + c
+    seen = first + n  # causal: no query of this chunk reads a row past its last one
+    return torch.arange(first, seen)[:, None], _band_start(first, window), seen
+
+
+def _mask_rows(mask: torch.Tensor | None, c: int, n: int, lo: int, seen: int) -> torch.Tensor | None:
+    """The chunk's part of the model's mask (queries c..c+n-1, rows lo..seen-1), as a boolean (True: read)."""
+    if mask is None:
+        return None
+    part = mask[:, :, c : c + n, lo:seen]
+    return part if part.dtype == torch.bool else part > torch.finfo(part.dtype).min
+
+
+def chunked_attention(query, key, value, mask, scaling, window: int | None = None) -> torch.Tensor:
+    """Attention of query [B, H_q, T_q, D] over key / value [B, H_kv, T, D] (the queries the last T_q positions) in
+    chunks of QUERY_CHUNK queries, each one SDPA call over the rows its queries can see (_band_start .. its last
+    query's position): what sdpa_attention computes over every row under the model's mask (or the causal one,
+    banded to `window` on a sliding layer, when mask is None), summed in SDPA's order per chunk (tests: equal to
+    1e-5), without the rows no query of the chunk reads. In the tensors' own dtype. -> [B, T_q, H_q, D]"""
+    t_q, t = query.shape[2], key.shape[2]
+    outs = []
+    for c in range(0, t_q, QUERY_CHUNK):
+        q = query[:, :, c : c + QUERY_CHUNK]
+        q_pos, lo, seen = _chunk_bounds(t_q, t, c, q.shape[2], window)
+        allowed = _chunk_mask(_mask_rows(mask, c, q.shape[2], lo, seen), q_pos.to(key.device), seen, lo, window)
+        outs.append(sdpa_attention(q, key[:, :, lo:seen], value[:, :, lo:seen], allowed, scaling))
+    return torch.cat(outs, dim=1)
 
 
 def _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -> torch.Tensor:
@@ -103,7 +156,7 @@ def _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -
     t_q, t = query.shape[2], k16.shape[2]
     q_pos = torch.arange(t - t_q, t, device=k16.device)[:, None]
     near = torch.arange(t, device=k16.device)[None] >= rows.encoded_end(q_pos + 1)  # [T_q, T]
-    chunk_mask = _chunk_mask(mask, q_pos, t)
+    chunk_mask = _chunk_mask(mask, q_pos, t, window=rows.window)
     scores = torch.where(near, attention_scores(query, k16, chunk_mask, scaling),
                          attention_scores(query, k_hat, chunk_mask, scaling))
     probs = torch.softmax(scores, dim=-1)
@@ -112,25 +165,24 @@ def _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -
 
 def _residual_fused(query, k16, v16, k_hat, v_hat, mask, scaling, rows) -> torch.Tensor:
     """The same attention at long context, in chunks of QUERY_CHUNK queries, each one fused SDPA call over the
-    rows its queries can see: the encoded rows [0, seen) and the fp16 rows [lo, seen) side by side, a boolean mask
-    giving query q the encoded rows before encoded_end(q + 1) and the fp16 rows from there on (lo: the first
-    query's encoded_end; it never decreases). The same softmax over the same scores as _residual_materialized,
-    summed in SDPA's order (tests/stages/test_evaluate.py: equal to 1e-5), without [T_q, T] matrices in memory."""
+    rows its queries can see: the encoded rows [band, seen) and the fp16 rows [lo, seen) side by side, a boolean
+    mask giving query q the encoded rows before encoded_end(q + 1) and the fp16 rows from there on (band: the first
+    row the chunk's first query can read, 0 on a global layer; lo: the first query's encoded_end, or the band's
+    start if later; it never decreases). The same softmax over the same scores as _residual_materialized, summed in
+    SDPA's order (tests/stages/test_evaluate.py: equal to 1e-5), without [T_q, T] matrices in memory."""
     t_q, t = query.shape[2], k16.shape[2]
     outs = []
     for c in range(0, t_q, QUERY_CHUNK):
         q = query[:, :, c : c + QUERY_CHUNK]
-        seen = t - t_q + c + q.shape[2]  # causal: no query of this chunk reads a row past its last one
-        q_pos = torch.arange(t - t_q + c, seen, device=k16.device)[:, None]
-        allowed = _chunk_mask(None if mask is None else mask[:, :, c : c + QUERY_CHUNK, :seen], q_pos, seen)
-        if allowed.dtype != torch.bool:  # an additive mask: 0 where read, the dtype's minimum (or -inf) where not
-            allowed = allowed > torch.finfo(allowed.dtype).min
+        q_pos, band, seen = _chunk_bounds(t_q, t, c, q.shape[2], rows.window)
+        q_pos = q_pos.to(k16.device)
+        allowed = _chunk_mask(_mask_rows(mask, c, q.shape[2], band, seen), q_pos, seen, band, rows.window)
         first = rows.encoded_end(q_pos + 1)  # [chunk, 1]: the first row query q reads in fp16
-        lo = int(first[0])
-        cols = torch.arange(seen, device=k16.device)[None]
-        both = torch.cat([allowed & (cols < first), allowed[..., lo:] & (cols[:, lo:] >= first)], -1)
-        keys = torch.cat([k_hat[:, :, :seen], k16[:, :, lo:seen]], 2)
-        values = torch.cat([v_hat[:, :, :seen], v16[:, :, lo:seen]], 2)
+        lo = max(int(first[0]), band)
+        cols = torch.arange(band, seen, device=k16.device)[None]
+        both = torch.cat([allowed & (cols < first), allowed[..., lo - band:] & (cols[:, lo - band:] >= first)], -1)
+        keys = torch.cat([k_hat[:, :, band:seen], k16[:, :, lo:seen]], 2)
+        values = torch.cat([v_hat[:, :, band:seen], v16[:, :, lo:seen]], 2)
         outs.append(sdpa_attention(q.float(), keys, values, both, scaling).to(query.dtype))
     return torch.cat(outs, dim=1)
 
@@ -197,9 +249,11 @@ def quantized_attention(policy: CachePolicy, rope: dict, ledger: Ledger | None,
             for kind, e, p in (("k", ek, pk), ("v", ev, pv)):
                 ledger.add(kind, e, p, rows_q=held.n_encoded, rows_full=held.n_full_precision, per_row=b * h * d)
         if not rows.holds_back:  # every row past the sinks is read encoded from the step it arrives
+            if long_forward(query.shape[2]):
+                return chunked_attention(query.float(), k_hat, v_hat, mask, scaling, rows.window).to(query.dtype)
             return sdpa_attention(query.float(), k_hat, v_hat, mask, scaling).to(query.dtype)
         t_q = query.shape[2]
-        if t_q <= QUERY_CHUNK:
+        if not long_forward(t_q):
             return _residual_materialized(query, k16, v16, k_hat, v_hat, mask, scaling, rows)
         return _residual_fused(query, k16, v16, k_hat, v_hat, mask, scaling, rows)
 
@@ -221,13 +275,38 @@ def policy_hidden(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy
     policy's calibrated tensors follow each layer to its own device (quantized_attention)."""
     run_ids, p = _served(ids, policy)  # [1, P + T]: the window after the policy's prefix (P >= 0)
     if policy.is_full_precision:
-        return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
+        return full_precision_hidden(model, run_ids)[p:]
+    mask = "eager"
     if policy.engine is not None:  # a library's own cache, served through that library
         attn = engine_attention(policy.engine, model.config, ledger, perturb)
     else:
         attn = quantized_attention(policy, rope_tables(model, run_ids), ledger, perturb, layer_windows(model.config))
-    with attention_override(model, attn):
+        mask = long_mask(run_ids.shape[1])
+    with attention_override(model, attn, mask=mask):
         return model.model(run_ids, use_cache=False).last_hidden_state[0, p:]
+
+
+def long_mask(t: int) -> str:
+    """attention_override's mask mode for a forward of t positions through chunked_attention / _residual_fused:
+    "serving" for a long one (no [T, T] float mask built), else "eager" (long_forward)."""
+    return "serving" if long_forward(t) else "eager"
+
+
+def full_precision_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """ids [1, T] -> the full-precision model's final hidden states [T, hidden]: the model's own attention, or for
+    a long forward (long_forward) the same attention in chunks of queries over the rows each can see
+    (chunked_attention, in the model's dtype), which on Gemma 3 at 32k skips the 15 sliding layers' [T, T] products
+    and the causal half of the global ones (tests/stages/test_gemma3.py: equal to the model's own)."""
+    t = ids.shape[1]
+    if not long_forward(t):
+        return model.model(ids, use_cache=False).last_hidden_state[0]
+    windows = layer_windows(model.config)
+
+    def attn(module, query, key, value, mask, scaling):
+        return chunked_attention(query, key, value, mask, scaling, windows[module.layer_idx])
+
+    with attention_override(model, attn, mask="serving"):
+        return model.model(ids, use_cache=False).last_hidden_state[0]
 
 
 def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePolicy, ledger: Ledger | None = None,
@@ -237,6 +316,13 @@ def policy_logprobs(model: torch.nn.Module, ids: torch.Tensor, policy: CachePoli
     return torch.log_softmax(lm_logits(model, policy_hidden(model, ids, policy, ledger, perturb)), -1)
 
 
+def greedy_tokens(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Final hidden states [T, hidden] -> the head's argmax at each position [T], chunk by chunk (logit_rows): never
+    the [T, V] logits at once (34 GB at Gemma 3's 262k vocabulary and 32k positions)."""
+    step = logit_rows(model.config.vocab_size)
+    return torch.cat([lm_logits(model, hidden[c : c + step]).argmax(-1) for c in range(0, hidden.shape[0], step)])
+
+
 REF_HOLD_BYTES = 2 ** 32  # the reference's log-probabilities of one window are kept across policies up to this
 
 
@@ -244,19 +330,56 @@ class _WindowMetrics:
     """Next-token metrics of one window against the reference, over chunks of positions (stages.hooks.logit_rows):
     never more than a chunk of float32 full-vocabulary log-probabilities per side. The reference's chunks -- its
     log-probabilities and their exponentials, the probabilities KL weighs by -- are computed once and held when
-    the whole window's fit in REF_HOLD_BYTES, else recomputed per policy."""
+    the whole window's fit in REF_HOLD_BYTES, else recomputed per policy; then the reference's own NLL and argmax
+    come from the first policy's pass over them (no pass of their own: at Gemma 3's 32k one head pass over the
+    window is about a minute and a half here)."""
 
     def __init__(self, model: torch.nn.Module, ref_hidden: torch.Tensor, targets: torch.Tensor):
         self.model, self.ref_hidden, self.targets = model, ref_hidden, targets
         t, vocab = ref_hidden.shape[0], model.config.vocab_size
         self.step = logit_rows(vocab)
         self.held = [] if 2 * t * vocab * 4 <= REF_HOLD_BYTES else None
-        tops, self.ref_nll = [], 0.0
-        for i, c in enumerate(range(0, t, self.step)):
-            ref, _ = self._ref(i, c, fresh=True)
-            tops.append(ref.argmax(-1))
-            self.ref_nll += self._nll(ref, c)
-        self.ref_top = torch.cat(tops)  # [T], where the head computes (under a device_map: not the ids' device)
+        self._top: torch.Tensor | None = None  # [T], where the head computes (under a device_map: not the ids')
+        self._nll_sum: float | None = None
+        if self.held is not None:
+            self._reference_pass(None)
+
+    def _reference_pass(self, hidden: torch.Tensor | None) -> tuple[float, float, int, list]:
+        """One pass over the reference's chunks (held ones from the first), recording its NLL and argmax where not
+        known yet, and with `hidden` a policy's -> (its NLL, KL, top-1 agreements, KL rows)."""
+        first = self._top is None
+        tops, ref_nll, nll, kl, top1, rows = [], 0.0, 0.0, 0.0, 0, []
+        for i, c in enumerate(range(0, self.ref_hidden.shape[0], self.step)):
+            ref, ref_p = self._ref(i, c, fresh=first)
+            if first:
+                top = ref.argmax(-1)
+                tops.append(top)
+                ref_nll += self._nll(ref, c)
+            else:
+                top = self._top[c : c + self.step]
+            if hidden is None:
+                continue
+            logp = torch.log_softmax(lm_logits(self.model, hidden[c : c + self.step]), -1)
+            nll += self._nll(logp, c)
+            terms = ref_p * (ref - logp)
+            kl += float(terms.sum())
+            rows.append(terms.sum(-1).double())  # where the head computes: summed there, read as floats at the end
+            top1 += int((logp.argmax(-1) == top).sum())
+        if first:
+            self._top, self._nll_sum = torch.cat(tops), ref_nll
+        return nll, kl, top1, rows
+
+    @property
+    def ref_top(self) -> torch.Tensor:
+        if self._top is None:
+            self._reference_pass(None)
+        return self._top
+
+    @property
+    def ref_nll(self) -> float:
+        if self._nll_sum is None:
+            self._reference_pass(None)
+        return self._nll_sum
 
     def _ref(self, i: int, c: int, fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (log-probabilities, probabilities) of the reference on chunk i (positions c ...)."""
@@ -275,18 +398,10 @@ class _WindowMetrics:
     def of(self, hidden: torch.Tensor | None) -> tuple[float, float, int, torch.Tensor]:
         """hidden [T, hidden] of a policy (None: the reference itself) -> (summed NLL, summed KL(ref || policy),
         top-1 agreements, KL per position [T] float64)."""
-        t = self.ref_top.numel()
         if hidden is None:
+            t = self.ref_top.numel()
             return self.ref_nll, 0.0, int(t), torch.zeros(t, dtype=torch.float64, device=self.ref_top.device)
-        nll, kl, top1, rows = 0.0, 0.0, 0, []
-        for i, c in enumerate(range(0, hidden.shape[0], self.step)):
-            ref, ref_p = self._ref(i, c)
-            logp = torch.log_softmax(lm_logits(self.model, hidden[c : c + self.step]), -1)
-            nll += self._nll(logp, c)
-            terms = ref_p * (ref - logp)
-            kl += float(terms.sum())
-            rows.append(terms.sum(-1).double())  # where the head computes: summed there, read as floats at the end
-            top1 += int((logp.argmax(-1) == self.ref_top[c : c + self.step]).sum())
+        nll, kl, top1, rows = self._reference_pass(hidden)
         return nll, kl, top1, torch.cat(rows)
 
 
@@ -321,8 +436,8 @@ def ppl_ratio_interval(nll: torch.Tensor, ref_nll: torch.Tensor, n_tokens: int, 
 
 def reference_hidden(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """ids [1, T] -> the full-precision model's final hidden states [T, hidden] (the model's own attention): what
-    every recipe's metrics compare with (_WindowMetrics applies the head chunk by chunk)."""
-    return model.model(ids, use_cache=False).last_hidden_state[0]
+    every recipe's metrics compare with (_WindowMetrics applies the head chunk by chunk); full_precision_hidden."""
+    return full_precision_hidden(model, ids)
 
 
 def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int], None] | None = None,
@@ -352,7 +467,6 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
             hidden = (reference_hidden(model, ids) if ref_hidden is None
                       else ref_hidden[w].to(model.lm_head.weight.device))
             metrics = _WindowMetrics(model, hidden, ids[0, 1:])
-            ref_nll[w] = metrics.ref_nll
             for policy in policies:
                 st = stats[policy.name]
                 runs = [None] if policy.is_full_precision else seeds
@@ -371,6 +485,7 @@ def fit(inputs: Inputs, cfg: EvalConfig | None = None, progress: Callable[[int],
                     st["nll"][i, w], st["kl"], st["top1"] = nll, st["kl"] + kl, st["top1"] + top1
                     st["kl_positions"] = kl_rows if st["kl_positions"] is None else st["kl_positions"] + kl_rows
                     st["tokens"] += ids.shape[1]
+            ref_nll[w] = metrics.ref_nll  # known after the first policy's pass (or its own pass, if none)
             if progress:
                 progress(1)
     n_tokens = t - 1

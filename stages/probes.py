@@ -13,9 +13,9 @@ import torch
 
 from exporters.codec import CachePolicy
 from stages.base import Context, Declaration, StageResult
-from stages.evaluate import quantized_attention
+from stages.evaluate import full_precision_hidden, long_mask, quantized_attention
 from stages.layer_policy import Target, target_inputs, target_policy
-from stages.hooks import attention_override, model_device, rope_tables
+from stages.hooks import attention_override, layer_windows, lm_logits, model_device, rope_tables
 
 @dataclass
 class ProbeConfig:
@@ -72,17 +72,21 @@ def fit(inputs: Inputs, cfg: ProbeConfig, progress: Callable[[int], None] | None
         cells[p.name] = {}
     device = model_device(model)
     policies = [p.to(device) for p in policies]
+    windows = layer_windows(model.config)
     with torch.no_grad():
         for pr in prompts:
             ids, a = pr["ids"].to(device), pr["answer_from"]
             target = ids[0, a:]
             key = f"{pr['length']}@{pr['depth']:g}"
             rope = rope_tables(model, ids)
-            logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
+            keep = ids.shape[1] - a + 1  # the answer's positions and the one before (the head on those only)
+            logits = lm_logits(model, full_precision_hidden(model, ids)[-keep:])
             cells["fp16"][key] = int(torch.equal(logits[:-1].argmax(-1), target))
             for p in policies:
-                with attention_override(model, quantized_attention(p, rope, None)):
-                    logits = model(ids, use_cache=False, logits_to_keep=ids.shape[1] - a + 1).logits[0]
+                with attention_override(model, quantized_attention(p, rope, None, windows=windows),
+                                        mask=long_mask(ids.shape[1])):
+                    hidden = model.model(ids, use_cache=False).last_hidden_state[0]
+                logits = lm_logits(model, hidden[-keep:])
                 cells[p.name][key] = int(torch.equal(logits[:-1].argmax(-1), target))
             if progress:
                 progress(1)

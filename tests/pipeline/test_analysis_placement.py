@@ -18,3 +18,35 @@ def test_changed_examples_feeds_the_window_to_the_models_device(tiny, tiny_windo
     assert not mode.violations, mode.violations
     assert {torch.device("cuda:0"), torch.device("cuda:1")} <= mode.computed_on
     assert split == plain
+
+
+
+
+def test_changed_examples_read_a_prefix_first(smollm2, monkeypatch):
+    """The report's examples are the window's first changed positions, read from 8 positions, then 32, then the
+    whole window: the first 3 changes of the shortest of those prefixes that has 3; asked for more changes than the
+    window has, every change of the whole window. SmolLM2 under a 2-bit cache on a sentence of real text (a random
+    tiny model hardly changes a token)."""
+    from exporters.codec import CachePolicy, TensorPolicy
+    from stages import evaluate
+
+    text = ("The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest structure "
+            "in Paris. Its base is square, measuring 125 metres on each side. During its construction, the Eiffel "
+            "Tower surpassed the Washington Monument to become the tallest man-made structure in the world.")
+    window = torch.tensor(smollm2.tokenizer(text)["input_ids"])
+    int2 = TensorPolicy(format="uniform", bits=2, axis="token")
+    policy = CachePolicy(name="int2", layers=[(int2, int2)] * smollm2.spec.n_layers)
+
+    def changes(length):
+        ids = window[None, :length]
+        with torch.no_grad():
+            ref = evaluate.greedy_tokens(smollm2.model, evaluate.full_precision_hidden(smollm2.model, ids))
+            got = evaluate.greedy_tokens(smollm2.model, evaluate.policy_hidden(smollm2.model, ids, policy))
+        return [i for i in range(length) if ref[i] != got[i]]
+
+    monkeypatch.setattr(analysis, "EXAMPLES_FIRST", 8)
+    three = analysis.changed_examples(smollm2, window, policy, n=3)
+    length = next(n for n in (8, 32, window.numel()) if len(changes(n)) >= 3 or n == window.numel())
+    assert [r["position"] for r in three] == changes(length)[:3]
+    every = analysis.changed_examples(smollm2, window, policy, n=10 ** 6)
+    assert [r["position"] for r in every] == changes(window.numel()) and len(every) > 3

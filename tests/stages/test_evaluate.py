@@ -215,6 +215,52 @@ def test_query_chunks_read_only_the_rows_their_queries_see(tiny, tiny_windows, m
     assert (whole - ref).abs().max() > 1e-3  # the encoded rows are read: the test can tell a wrong chunk
 
 
+def test_chunked_attention_reads_only_its_band():
+    """chunked_attention by hand: 12 positions, chunks of 4 queries, a sliding window of 3. A NaN in row 0 reaches
+    only the chunk whose queries can see it (positions 0-3; row 0 is outside every later query's window), and
+    every query's output is the full masked attention's."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=g) for _ in range(3))
+    pos = torch.arange(12)
+    band = (pos[:, None] >= pos[None]) & (pos[None] > pos[:, None] - 3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=0.5).transpose(1, 2)
+    old = evaluate.QUERY_CHUNK
+    evaluate.QUERY_CHUNK = 4
+    try:
+        got = evaluate.chunked_attention(q, k, v, None, 0.5, window=3)
+        assert torch.allclose(got, want, atol=1e-6, rtol=0)
+        bad = k.clone()
+        bad[:, :, 0] = float("nan")
+        poisoned = evaluate.chunked_attention(q, bad, v, None, 0.5, window=3)
+        causal = evaluate.chunked_attention(q, bad, v, None, 0.5)  # a global layer: every later query reads row 0
+    finally:
+        evaluate.QUERY_CHUNK = old
+    assert poisoned[:, :3].isnan().all() and not poisoned[:, 4:].isnan().any()
+    assert torch.equal(poisoned[:, 4:], got[:, 4:])
+    assert causal.isnan().all()
+
+
+def test_long_windows_without_a_residual_run_in_chunks(tiny, tiny_windows, monkeypatch):
+    """A long forward (past QUERY_CHUNK positions) runs the recipe without a residual window, and the reference,
+    in chunks of queries (chunked_attention, transformers' "serving" masks): the same log-probabilities and
+    hidden states as one pass over every row."""
+    w = tiny_windows.eval[:1]  # 48 tokens
+    p = _policy("int2", INT2, INT2)
+    whole = evaluate.policy_logprobs(tiny.model, w, p)
+    with torch.no_grad():
+        own = tiny.model.model(w, use_cache=False).last_hidden_state[0]
+    monkeypatch.setattr(evaluate, "QUERY_CHUNK", 7)
+    assert evaluate.long_forward(48) and evaluate.long_mask(48) == "serving"
+    chunked = evaluate.policy_logprobs(tiny.model, w, p)
+    assert torch.allclose(whole, chunked, atol=1e-5, rtol=0)
+    ref = evaluate.policy_logprobs(tiny.model, w, _policy("fp16", FP16, FP16))
+    assert (whole - ref).abs().max() > 1e-3  # the encoded rows are read
+    with torch.no_grad():
+        assert torch.allclose(evaluate.full_precision_hidden(tiny.model, w), own, atol=1e-5, rtol=0)
+
+
 def test_recipes_evaluated_one_by_one_against_a_stored_reference_equal_the_evaluation_of_all_at_once(
         tiny, tiny_windows, calib):
     """The run's stages (evaluate-reference, evaluate-recipe-<name> each, evaluate putting them together) give the
@@ -313,3 +359,14 @@ def test_an_interval_of_fewer_than_four_windows_is_said_to_be_none():
     assert "[1.0006, 1.0006] (2 windows: not an interval)" in lines[3]
     assert lines[0].index("KL") + 2 == lines[3].index("0.0000") + 6   # KL still under its header
     assert "not an interval" not in evaluate.table(rows, n_windows=4)
+
+
+def test_greedy_tokens_take_the_head_chunk_by_chunk(tiny, tiny_windows, monkeypatch):
+    """greedy_tokens (the report's changed-token examples): the argmax of the model's own logits, with the head
+    applied to 5 positions at a time."""
+    w = tiny_windows.eval[:1]
+    with torch.no_grad():
+        want = tiny.model(w, use_cache=False).logits[0].argmax(-1)
+        monkeypatch.setattr(evaluate, "logit_rows", lambda vocab: 5)
+        got = evaluate.greedy_tokens(tiny.model, evaluate.full_precision_hidden(tiny.model, w))
+    assert got.shape == want.shape and torch.equal(got, want)

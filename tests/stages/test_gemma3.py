@@ -209,3 +209,29 @@ def test_the_residual_chunks_keep_the_sliding_window(tiny_gemma3, monkeypatch):
     # summation order only (SDPA per chunk vs one softmax; Gemma's norms amplify it to ~2e-4 on this random model)
     assert torch.allclose(whole, chunked, atol=1e-3, rtol=0)
     assert (whole - ref).abs().max() > 1e-2  # the encoded rows are read: the comparison can tell a wrong chunk
+
+
+def test_long_forwards_band_the_sliding_layers(tiny_gemma3, monkeypatch):
+    """Past QUERY_CHUNK positions the reference and a recipe without a residual window run in chunks of queries,
+    a sliding layer's chunk over its window's rows only (chunked_attention): on Gemma 3 (window 16, 48 tokens,
+    chunks of 7) the model's own hidden states, and the recipe's log-probabilities of one pass. Passkey probes take
+    the same paths."""
+    from exporters.codec import CachePolicy, TensorPolicy
+    from stages import evaluate, probes
+
+    lm = tiny_gemma3
+    ids = _ids(lm, n=48, seed=5)
+    int2 = TensorPolicy(format="uniform", bits=2, axis="token")
+    coarse = CachePolicy(name="int2", layers=[(int2, int2)] * lm.spec.n_layers, n_sink=2)
+    with torch.no_grad():
+        own = lm.model.model(ids, use_cache=False).last_hidden_state[0]
+    whole = evaluate.policy_logprobs(lm.model, ids, coarse)
+    prompt = {"ids": ids, "answer_from": 40, "length": 48, "depth": 0.5}
+    cells = probes.fit(probes.Inputs(lm.model, lm.spec, [prompt], [coarse]), probes.ProbeConfig()).meta["cells"]
+    monkeypatch.setattr(evaluate, "QUERY_CHUNK", 7)
+    with torch.no_grad():
+        banded = evaluate.full_precision_hidden(lm.model, ids)
+    assert torch.allclose(banded, own, atol=1e-4 * own.abs().max(), rtol=0)
+    assert torch.allclose(evaluate.policy_logprobs(lm.model, ids, coarse), whole, atol=1e-3, rtol=0)
+    assert probes.fit(probes.Inputs(lm.model, lm.spec, [prompt], [coarse]), probes.ProbeConfig()).meta["cells"] == cells
+
