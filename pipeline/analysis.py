@@ -41,27 +41,22 @@ def drift(cfg, results: dict, target: CachePolicy) -> dict:
     return out
 
 
-EXAMPLES_FIRST = 1024  # changed_examples reads this many positions first, then 4x more until it has its n
+EXAMPLES_WITHIN = 4096  # changed_examples reads a window's first this many positions (a 32k window: an eighth)
 
 
 def changed_examples(lm, window: torch.Tensor, target: CachePolicy, n: int = 5, context: int = 12) -> list[dict]:
-    """The first n positions of one evaluation window where the quantized cache changes the greedy next token. A
-    position's tokens depend on the positions before it only (causal attention, and the cache serves a row the
-    same way whatever follows), so the window's first EXAMPLES_FIRST positions are read first and 4x as many
-    until n changes are found: the examples the whole window gives, without its forwards at 32k -- up to float
+    """The first n positions among the window's first EXAMPLES_WITHIN where the quantized cache changes the greedy
+    next token. A position's tokens depend on the positions before it only (causal attention, and the cache serves
+    a row the same way whatever follows), so a prefix gives the whole window's first changes -- up to float
     rounding, which differs with a forward's length (SDPA's blocking) and which a coarse cache can amplify at a
-    code's rounding boundary into another token (as it would on another machine: evaluate.Perturbation)."""
-    whole = window.numel()
-    length = min(whole, EXAMPLES_FIRST)
-    while True:
-        ids = window[None, :length].to(model_device(lm.model))  # the window is on the CPU; the model may be on a GPU
-        with torch.no_grad():  # hidden states, then the head chunk by chunk: a long window's [T, V] logits do not fit
-            ref = evaluate.greedy_tokens(lm.model, evaluate.full_precision_hidden(lm.model, ids)).tolist()
-            got = evaluate.greedy_tokens(lm.model, evaluate.policy_hidden(lm.model, ids, target)).tolist()
-        changed = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
-        if len(changed) >= n or length == whole:
-            break
-        length = min(whole, 4 * length)
+    code's rounding boundary into another token (as on another machine: evaluate.Perturbation) -- without the
+    window's forwards at 32k (330 s here for Gemma 3's, docs/long-context.md)."""
+    length = min(window.numel(), EXAMPLES_WITHIN)
+    ids = window[None, :length].to(model_device(lm.model))  # the window is on the CPU; the model may be on a GPU
+    with torch.no_grad():  # hidden states, then the head chunk by chunk: a long window's [T, V] logits do not fit
+        ref = evaluate.greedy_tokens(lm.model, evaluate.full_precision_hidden(lm.model, ids)).tolist()
+        got = evaluate.greedy_tokens(lm.model, evaluate.policy_hidden(lm.model, ids, target)).tolist()
+    changed = [i for i, (a, b) in enumerate(zip(ref, got)) if a != b]
     tok = lm.tokenizer
     rows = []
     for pos in changed[:n]:

@@ -22,11 +22,11 @@ def test_changed_examples_feeds_the_window_to_the_models_device(tiny, tiny_windo
 
 
 
-def test_changed_examples_read_a_prefix_first(smollm2, monkeypatch):
-    """The report's examples are the window's first changed positions, read from 8 positions, then 32, then the
-    whole window: the first 3 changes of the shortest of those prefixes that has 3; asked for more changes than the
-    window has, every change of the whole window. SmolLM2 under a 2-bit cache on a sentence of real text (a random
-    tiny model hardly changes a token)."""
+
+def test_changed_examples_read_a_prefix(smollm2, monkeypatch):
+    """The report's examples are the first changed positions among the window's first EXAMPLES_WITHIN: here 16 of a
+    sentence's tokens, the changes a direct comparison finds there; the whole sentence when it is shorter. SmolLM2
+    under a 2-bit cache on real text (a random tiny model hardly changes a token)."""
     from exporters.codec import CachePolicy, TensorPolicy
     from stages import evaluate
 
@@ -44,9 +44,9 @@ def test_changed_examples_read_a_prefix_first(smollm2, monkeypatch):
             got = evaluate.greedy_tokens(smollm2.model, evaluate.policy_hidden(smollm2.model, ids, policy))
         return [i for i in range(length) if ref[i] != got[i]]
 
-    monkeypatch.setattr(analysis, "EXAMPLES_FIRST", 8)
-    three = analysis.changed_examples(smollm2, window, policy, n=3)
-    length = next(n for n in (8, 32, window.numel()) if len(changes(n)) >= 3 or n == window.numel())
-    assert [r["position"] for r in three] == changes(length)[:3]
     every = analysis.changed_examples(smollm2, window, policy, n=10 ** 6)
     assert [r["position"] for r in every] == changes(window.numel()) and len(every) > 3
+    assert [r["position"] for r in analysis.changed_examples(smollm2, window, policy, n=2)] == changes(window.numel())[:2]
+    monkeypatch.setattr(analysis, "EXAMPLES_WITHIN", 16)
+    within = analysis.changed_examples(smollm2, window, policy, n=10 ** 6)
+    assert [r["position"] for r in within] == changes(16) and all(r["position"] < 16 for r in within)
