@@ -141,7 +141,7 @@ class LayerRows:
 
     def visible_from(self, q: int) -> int:
         """The first position a query at position q reads: 0, or for a sliding layer q - window + 1."""
-        return 0 if self.window is None else max(0, q - self.window + 1)
+        return visible_from(q, self.window)
 
     def keep_from(self, pos: int, t: int) -> int:
         """The first position held at length t once the rows before `pos` are dropped: pos itself in the sink or
@@ -166,6 +166,12 @@ class LayerRows:
         s, e = self.sink_end(t), self.encoded_end(t)
         return Held(start=first, sink_end=s, encoded_start=max(s, first), encoded_end=max(e, first),
                     residual_start=max(e, first), end=t)
+
+
+def visible_from(q: int, window: int | None) -> int:
+    """The first position a query at position q reads on a layer with sliding window `window` (None: global): 0, or
+    q - window + 1 (transformers' sliding mask)."""
+    return 0 if window is None else max(0, q - window + 1)
 
 
 def layer_rows(policy: CachePolicy, layer: int, window: int | None = None) -> LayerRows:

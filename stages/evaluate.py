@@ -37,7 +37,7 @@ from exporters import figures
 from exporters.codec import FULL_PRECISION_BITS, CachePolicy, fake_quant
 from exporters.ledger import Ledger
 from exporters.rope import apply_rope, invert_rope
-from exporters.served_rows import layer_rows
+from exporters.served_rows import layer_rows, visible_from
 from stages.base import Context, Declaration, StageResult, eval_units
 from stages.engine_cache import engine_attention
 from stages.recipe import QuantConfig, inputs_of, recipe_policy
@@ -98,12 +98,6 @@ def long_forward(t: int) -> bool:
     return t > QUERY_CHUNK
 
 
-def _band_start(first_query: int, window: int | None) -> int:
-    """The first row a query at position first_query or later can read: 0 on a global layer, first_query - window
-    + 1 on a sliding one (exporters.served_rows.LayerRows.visible_from: transformers' sliding mask)."""
-    return 0 if window is None else max(0, first_query - window + 1)
-
-
 def _chunk_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, t: int, lo: int = 0,
                 window: int | None = None) -> torch.Tensor:
     """The model's mask rows for this chunk (columns lo..t-1, already sliced by the caller), or the causal mask --
@@ -122,7 +116,7 @@ def _chunk_bounds(t_q: int, t: int, c: int, n: int, window: int | None) -> tuple
     the first row it can read, the row after its last query's)."""
     first = t - t_q + c
     seen = first + n  # causal: no query of this chunk reads a row past its last one
-    return torch.arange(first, seen)[:, None], _band_start(first, window), seen
+    return torch.arange(first, seen)[:, None], visible_from(first, window), seen
 
 
 def _mask_rows(mask: torch.Tensor | None, c: int, n: int, lo: int, seen: int) -> torch.Tensor | None:
@@ -135,8 +129,8 @@ def _mask_rows(mask: torch.Tensor | None, c: int, n: int, lo: int, seen: int) ->
 
 def chunked_attention(query, key, value, mask, scaling, window: int | None = None) -> torch.Tensor:
     """Attention of query [B, H_q, T_q, D] over key / value [B, H_kv, T, D] (the queries the last T_q positions) in
-    chunks of QUERY_CHUNK queries, each one SDPA call over the rows its queries can see (_band_start .. its last
-    query's position): what sdpa_attention computes over every row under the model's mask (or the causal one,
+    chunks of QUERY_CHUNK queries, each one SDPA call over the rows its queries can see (visible_from of its first
+    query .. its last query's position): what sdpa_attention computes over every row under the model's mask (or the causal one,
     banded to `window` on a sliding layer, when mask is None), summed in SDPA's order per chunk (tests: equal to
     1e-5), without the rows no query of the chunk reads. In the tensors' own dtype. -> [B, T_q, H_q, D]"""
     t_q, t = query.shape[2], key.shape[2]
